@@ -1,0 +1,247 @@
+"""Acceptance rules for a verified draft tree, and KV compaction of the accepted path.
+
+All functions are jit-able with fixed shapes and take a single tree (``[N]``) or a batch (``[B, N]``).
+Node 0 is the root (the last committed token, whose KV is written by the verify pass); ``parents`` are
+topologically ordered (see ``dtree_jax.tree``).
+
+The result of every rule is an ``Acceptance``: ``emitted[:num_emitted]`` are the accepted draft tokens
+followed by the target's correction/bonus token, and ``path[:num_emitted]`` the visited nodes starting
+with the root, whose KV entries are kept (the bonus token becomes the next round's root).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dtree_jax.tree import _is_concrete, ancestor_mask, check_parents, check_same_shape
+
+
+class Acceptance(NamedTuple):
+    emitted: jax.Array  # [..., N] int32, padding -1
+    num_emitted: jax.Array  # [...] int32, accepted drafts + 1
+    path: jax.Array  # [..., N] int32 node indices from the root, padding -1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling the target
+# ----------------------------------------------------------------------------------------------------------
+
+
+def filter_logits(logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Temperature-scaled fp32 logits with tokens outside top-k / the top-p nucleus set to -inf.
+
+    ``logits [..., V]``; ``temperature`` > 0 (scalar, may be traced); ``top_k`` 0 disables it.
+    """
+    x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    v = x.shape[-1]
+    if top_k and top_k < v:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if top_p < 1.0:
+        sorted_x = -jnp.sort(-x, axis=-1)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        keep_sorted = before < top_p  # always keeps the top token
+        cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        keep = x >= cutoff  # tokens tied with the cutoff are kept too
+        x = jnp.where(keep, x, -jnp.inf)
+    return x
+
+
+def sample_tokens(key: jax.Array, logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0):
+    """One token per row of ``logits [..., V]``: argmax when ``temperature`` <= 0, else a sample from the
+    filtered softmax.  ``temperature`` may be a traced scalar (both branches are computed)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if _is_concrete(temperature) and float(np.asarray(temperature)) <= 0:
+        return greedy
+    sampled = jax.random.categorical(key, filter_logits(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(jnp.asarray(temperature) > 0, sampled.astype(jnp.int32), greedy)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Acceptance rules
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _path_from_leaf(mask: jax.Array, depths: jax.Array, leaf: jax.Array) -> jax.Array:
+    """Nodes on the root-to-``leaf`` path ordered by depth; ``[..., N]`` padded with -1."""
+    n = mask.shape[-1]
+    row = jnp.take_along_axis(mask, leaf[..., None, None], axis=-2)[..., 0, :]  # [..., N] ancestors-or-self
+    at_depth = row[..., None, :] & (depths[..., None, :] == jnp.arange(n)[:, None])  # [..., N(d), N(node)]
+    return jnp.where(jnp.any(at_depth, -1), jnp.argmax(at_depth, -1), -1).astype(jnp.int32)
+
+
+def accept_greedy(parents: jax.Array, tokens: jax.Array, target_next: jax.Array) -> Acceptance:
+    """Walk from the root while a child's token equals the target's next token at the current node.
+
+    ``parents, tokens, target_next: [..., N]`` (``target_next[i]`` = the target's token after node i).
+    Among matching siblings the lowest index wins, exactly like a sequential walk.
+    """
+    check_same_shape(parents=parents, tokens=tokens, target_next=target_next)
+    check_parents(parents)
+    parents = jnp.asarray(parents, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    target_next = jnp.asarray(target_next, jnp.int32)
+    n = parents.shape[-1]
+    mask = ancestor_mask(parents)
+    depths = jnp.sum(mask, -1, dtype=jnp.int32) - 1
+    idx = jnp.arange(n)
+    parent_next = jnp.take_along_axis(target_next, jnp.clip(parents, 0), axis=-1)
+    match = (tokens == parent_next) & (idx > 0)
+    # A match counts only if no lower-index sibling matches too (first child wins).
+    sibling_before = (parents[..., :, None] == parents[..., None, :]) & (idx[None, :] < idx[:, None])
+    shadowed = jnp.any(sibling_before & match[..., None, :], axis=-1)
+    ok = (match & ~shadowed) | (idx == 0)
+    accepted = ~jnp.any(mask & ~ok[..., None, :], axis=-1)  # every node on the path ok
+    leaf = jnp.argmax(jnp.where(accepted, depths, -1), axis=-1).astype(jnp.int32)
+    path = _path_from_leaf(mask, depths, leaf)
+    num = jnp.take_along_axis(depths, leaf[..., None], -1)[..., 0] + 1
+    drafts = jnp.take_along_axis(tokens, jnp.roll(jnp.clip(path, 0), -1, axis=-1), axis=-1)
+    bonus = jnp.take_along_axis(target_next, leaf[..., None], -1)
+    pos = jnp.broadcast_to(idx, path.shape)
+    emitted = jnp.where(pos < num[..., None] - 1, drafts, jnp.where(pos == num[..., None] - 1, bonus, -1))
+    return Acceptance(emitted.astype(jnp.int32), num.astype(jnp.int32), path)
+
+
+def accept_sampled(
+    parents: jax.Array,  # [..., N]
+    tokens: jax.Array,  # [..., N]
+    target_logits: jax.Array,  # [..., N, V]
+    key: jax.Array,
+    temperature,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Acceptance:
+    """Samples the target at every node and walks the tree: a deterministic draft is accepted iff it
+    equals the target's sample at its parent.  The emitted tokens are the target's own samples, so the
+    output distribution is exactly the target's (temperature <= 0 reduces to ``accept_greedy``)."""
+    if target_logits.shape[:-1] != np.shape(parents):
+        raise ValueError(f"target_logits {target_logits.shape} does not match parents {np.shape(parents)}")
+    target_next = sample_tokens(key, target_logits, temperature, top_k, top_p)
+    return accept_greedy(parents, tokens, target_next)
+
+
+def accept_rejection(
+    parents: jax.Array,  # [N] or [B, N]
+    tokens: jax.Array,  # [N] or [B, N]
+    draft_probs: jax.Array,  # [N, V] or [B, N, V]: row i = distribution node i's children were drawn from
+    target_logits: jax.Array,  # [N, V] or [B, N, V]
+    key: jax.Array,
+    temperature,
+) -> Acceptance:
+    """Recursive rejection sampling over siblings (SpecInfer), for drafts that were themselves sampled.
+
+    At the current node with target distribution p and draft distribution q (the one the children were
+    drawn from, i.i.d.), children are tried in index order: child x is accepted with probability
+    ``min(1, p[x] / q[x])``; after a rejection ``p <- normalise(max(p - q, 0))``.  When no child is accepted
+    the bonus token is drawn from the final residual.  The output distribution is exactly the target's.
+    """
+    check_same_shape(parents=parents, tokens=tokens)
+    if draft_probs.shape != target_logits.shape or draft_probs.shape[:-1] != np.shape(parents):
+        raise ValueError(
+            f"draft_probs {draft_probs.shape} and target_logits {target_logits.shape} must both be "
+            f"{np.shape(parents)} + (V,)"
+        )
+    if _is_concrete(draft_probs):
+        d = np.asarray(draft_probs)
+        if np.any(~np.isfinite(d)) or np.any(d < 0) or np.any(d > 1):
+            raise ValueError("draft_probs must be probabilities in [0, 1]")
+    check_parents(parents)
+    if np.ndim(parents) == 2:
+        keys = jax.random.split(key, np.shape(parents)[0])
+        return jax.vmap(lambda p, t, d, l, k: accept_rejection(p, t, d, l, k, temperature))(
+            parents, tokens, draft_probs, target_logits, keys
+        )
+    parents = jnp.asarray(parents, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    n = parents.shape[-1]
+    greedy = jnp.asarray(temperature, jnp.float32) <= 0
+    target_logits = jnp.asarray(target_logits, jnp.float32)
+    target = jax.nn.softmax(target_logits / jnp.maximum(temperature, 1e-6), axis=-1)
+    target = jnp.where(greedy, jax.nn.one_hot(jnp.argmax(target_logits, -1), target.shape[-1]), target)
+    draft = jnp.asarray(draft_probs, jnp.float32)
+    coins = jax.random.uniform(jax.random.fold_in(key, 0), (n, n))  # [step, child]
+    bonus_keys = jax.random.split(jax.random.fold_in(key, 1), n)
+
+    def try_child(carry, c):
+        cur, p, chosen = carry
+        q = draft[cur]
+        x = tokens[c]
+        is_child = (parents[c] == cur) & (chosen < 0)
+        ratio = jnp.where(q[x] > 0, p[x] / jnp.maximum(q[x], 1e-30), jnp.where(p[x] > 0, 1.0, 0.0))
+        accept = is_child & (coins[cur, c] < jnp.minimum(ratio, 1.0))
+        residual = jnp.maximum(p - q, 0.0)
+        total = residual.sum()
+        residual = jnp.where(total > 0, residual / jnp.maximum(total, 1e-30), p)
+        p = jnp.where(is_child & ~accept, residual, p)
+        chosen = jnp.where(accept, c, chosen)
+        return (cur, p, chosen), None
+
+    def step(carry, _):
+        cur, done, path, emitted, num = carry
+        (_, p, chosen), _ = jax.lax.scan(try_child, (cur, target[cur], jnp.int32(-1)), jnp.arange(n))
+        advance = (~done) & (chosen >= 0)
+        stop = (~done) & (chosen < 0)
+        bonus = jax.random.categorical(bonus_keys[cur], jnp.log(jnp.maximum(p, 0.0))).astype(jnp.int32)
+        token = jnp.where(advance, tokens[jnp.maximum(chosen, 0)], bonus)
+        emitted = jnp.where(~done, emitted.at[num].set(token), emitted)
+        path = jnp.where(advance, path.at[num + 1].set(chosen), path)
+        num = num + jnp.where(~done, 1, 0)
+        cur = jnp.where(advance, chosen, cur)
+        return (cur, done | stop, path, emitted, num), None
+
+    init = (
+        jnp.int32(0),
+        jnp.bool_(False),
+        jnp.full((n,), -1, jnp.int32).at[0].set(0),
+        jnp.full((n,), -1, jnp.int32),
+        jnp.int32(0),
+    )
+    (_, _, path, emitted, num), _ = jax.lax.scan(step, init, None, length=n)
+    return Acceptance(emitted, num, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Commit
+# ----------------------------------------------------------------------------------------------------------
+
+
+def compact_kv(cache, lens: jax.Array, path: jax.Array, num_emitted: jax.Array):
+    """Moves the accepted tree entries to contiguous rows right after each request's prefix.
+
+    Every leaf of ``cache`` is ``[B, L, ...]`` and holds the verified tree's entries at rows
+    ``[lens, lens + N)``.  Rows ``lens + path[b, j]`` for ``j < num_emitted[b]`` (root and accepted nodes,
+    in path order) are written to ``lens + j``; every other row is unchanged.  The caller then advances
+    ``lens`` by ``num_emitted``.
+    """
+    lens = jnp.asarray(lens, jnp.int32)  # [B]
+    path = jnp.asarray(path, jnp.int32)  # [B, N]
+    num_emitted = jnp.asarray(num_emitted, jnp.int32)  # [B]
+    if path.ndim != 2 or lens.shape != path.shape[:1] or num_emitted.shape != lens.shape:
+        raise ValueError(f"need lens [B], path [B, N], num_emitted [B]; got {lens.shape}, {path.shape}, "
+                         f"{num_emitted.shape}")
+    n = path.shape[1]
+    j = jnp.arange(n)
+    keep = j[None, :] < num_emitted[:, None]  # [B, N]
+    dst = lens[:, None] + j[None, :]
+    src = lens[:, None] + jnp.clip(path, 0)
+
+    def move(leaf):
+        if leaf.ndim < 2 or leaf.shape[0] != lens.shape[0]:
+            raise ValueError(f"cache leaves must be [B, L, ...] with B = {lens.shape[0]}, got {leaf.shape}")
+        length = leaf.shape[1]
+        take = lambda rows: jnp.take_along_axis(
+            leaf, jnp.clip(rows, 0, length - 1).reshape(rows.shape + (1,) * (leaf.ndim - 2)), axis=1
+        )
+        moved = take(src)
+        old = take(dst)
+        sel = keep.reshape(keep.shape + (1,) * (leaf.ndim - 2))
+        new = jnp.where(sel, moved, old)
+        rows = jnp.where(keep, dst, length)  # out-of-range rows are dropped
+        return jax.vmap(lambda l, r, v: l.at[r].set(v, mode="drop"))(leaf, rows, new)
+
+    return jax.tree_util.tree_map(move, cache)

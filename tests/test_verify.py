@@ -1,0 +1,247 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dtree_jax.demo import CARD_TREE_PATHS
+from dtree_jax.tree import tree_from_paths
+from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, compact_kv, filter_logits
+
+
+def walk(parents, tokens, target_next):
+    """The card's sequential walk (first matching child wins)."""
+    node, out, path = 0, [], [0]
+    while True:
+        kids = [c for c in range(len(parents)) if parents[c] == node]
+        nxt = next((c for c in kids if tokens[c] == target_next[node]), None)
+        out.append(int(target_next[node]))
+        if nxt is None:
+            return out, path
+        node = nxt
+        path.append(node)
+
+
+def brute_force_longest(parents, tokens, target_next):
+    """Longest root path whose every node matches its parent's target token (no first-child rule)."""
+    n, best = len(parents), 0
+    for leaf in range(n):
+        path, j = [], leaf
+        while j != -1:
+            path.append(j)
+            j = parents[j]
+        if all(tokens[c] == target_next[parents[c]] for c in path[:-1]):
+            best = max(best, len(path) - 1)
+    return best + 1
+
+
+tree_case = st.integers(1, 24).flatmap(
+    lambda n: st.tuples(
+        st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, n)]),
+        st.lists(st.integers(0, 3), min_size=n, max_size=n),
+        st.lists(st.integers(0, 3), min_size=n, max_size=n),
+    )
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tree_case)
+def test_greedy_equals_walk_and_brute_force(case):
+    parents, tokens, target = (np.asarray(x, np.int32) for x in case)
+    res = jax.jit(accept_greedy)(parents, tokens, target)
+    out, path = walk(parents, tokens, target)
+    k = int(res.num_emitted)
+    assert k == len(out)
+    assert list(np.asarray(res.emitted[:k])) == out and np.all(np.asarray(res.emitted[k:]) == -1)
+    assert list(np.asarray(res.path[:k])) == path and np.all(np.asarray(res.path[k:]) == -1)
+    # Sibling tokens distinct => the walk finds the longest matching path.
+    distinct = all(
+        len({tokens[c] for c in range(len(parents)) if parents[c] == p})
+        == sum(1 for c in range(len(parents)) if parents[c] == p)
+        for p in range(len(parents))
+    )
+    if distinct:
+        assert k == brute_force_longest(parents, tokens, target)
+
+
+def card_tokens():
+    """Draft token at each node of the card's tree: rank r at depth d -> token 10 * d + r."""
+    t = tree_from_paths(CARD_TREE_PATHS)
+    tokens = [0] + [10 * len(p) + p[-1] for p in t.paths]
+    return t, np.asarray(tokens, np.int32)
+
+
+def test_walk_takes_second_rank_branch():
+    t, tokens = card_tokens()
+    target = np.full(10, 99, np.int32)
+    target[0] = 11  # the target picks the rank-1 candidate at depth 1 (node 2)
+    target[2] = 20  # then rank-0 under it (node 5)
+    res = accept_greedy(t.parents, tokens, target)
+    assert list(res.path[:3]) == [0, 2, 5]
+    assert list(res.emitted[:3]) == [11, 20, 99]
+
+
+def test_walk_to_deepest_leaf_emits_all_four_plus_bonus():
+    t, tokens = card_tokens()
+    target = np.full(10, 99, np.int32)
+    for node, nxt in ((0, 10), (1, 20), (3, 30), (6, 40)):
+        target[node] = nxt
+    target[9] = 77
+    res = accept_greedy(t.parents, tokens, target)
+    assert int(res.num_emitted) == 5
+    assert list(res.emitted[:5]) == [10, 20, 30, 40, 77]
+    assert list(res.path[:5]) == [0, 1, 3, 6, 9]
+
+
+def test_greedy_batched_and_mismatched_lengths():
+    parents = np.array([[-1, 0, 1], [-1, 0, 0]], np.int32)
+    tokens = np.array([[0, 5, 6], [0, 5, 6]], np.int32)
+    target = np.array([[5, 6, 7], [6, 1, 2]], np.int32)
+    res = accept_greedy(parents, tokens, target)
+    np.testing.assert_array_equal(res.num_emitted, [3, 2])
+    np.testing.assert_array_equal(res.emitted, [[5, 6, 7], [6, 2, -1]])
+    with pytest.raises(ValueError, match="mismatched"):
+        accept_greedy(parents, tokens[:, :2], target)
+
+
+# ------------------------------------------------------------------------------------------------
+# Distribution tests (chi-square on a small vocabulary, fixed seeds)
+# ------------------------------------------------------------------------------------------------
+
+V, SAMPLES = 6, 12000
+
+
+def chi2_pvalue(counts, probs):
+    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a zero-probability token"
+    expected = probs[keep] * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = keep.sum() - 1
+    return float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0))
+
+
+def softmax(x, t=1.0):
+    e = np.exp((x - x.max()) / t)
+    return e / e.sum()
+
+
+PARENTS = np.array([-1, 0, 0, 1], np.int32)  # root -> {1, 2}; 1 -> 3
+LOGITS = np.random.default_rng(0).normal(size=(4, V)).astype(np.float32) * 1.5
+
+
+def test_accept_sampled_is_the_target_distribution():
+    tokens = np.array([0, 2, 4, 1], np.int32)
+    temperature = 0.8
+    keys = jax.random.split(jax.random.key(1), SAMPLES)
+    res = jax.jit(jax.vmap(lambda k: accept_sampled(PARENTS, tokens, LOGITS, k, temperature)))(keys)
+    first = np.asarray(res.emitted[:, 0])
+    assert chi2_pvalue(np.bincount(first, minlength=V), softmax(LOGITS[0], temperature)) > 1e-3
+    # Given node 1 (token 2) accepted, the next token is the target's sample at node 1.
+    second = np.asarray(res.emitted[:, 1])[first == 2]
+    assert chi2_pvalue(np.bincount(second, minlength=V), softmax(LOGITS[1], temperature)) > 1e-3
+
+
+def test_accept_sampled_topk_topp_support():
+    keys = jax.random.split(jax.random.key(2), 2000)
+    tokens = np.array([0, 2, 4, 1], np.int32)
+    res = jax.vmap(lambda k: accept_sampled(PARENTS, tokens, LOGITS, k, 1.0, top_k=2))(keys)
+    allowed = set(np.argsort(-LOGITS[0])[:2].tolist())
+    assert set(np.asarray(res.emitted[:, 0]).tolist()) <= allowed
+    filt = filter_logits(jnp.asarray(LOGITS[0]), 1.0, top_p=0.5)
+    kept = np.isfinite(np.asarray(filt))
+    p = softmax(LOGITS[0])
+    order = np.argsort(-p)
+    need = np.searchsorted(np.cumsum(p[order]), 0.5) + 1  # smallest nucleus reaching 0.5
+    assert kept.sum() == need and kept[order[:need]].all()
+
+
+DRAFT = np.random.default_rng(3).dirichlet(np.ones(V), size=4).astype(np.float32)
+
+
+def sampled_draft_tokens(key):
+    """Two i.i.d. children of the root from DRAFT[0], one grandchild under child 1 from DRAFT[1]."""
+    k0, k1, k2 = jax.random.split(key, 3)
+    c1 = jax.random.categorical(k0, jnp.log(DRAFT[0]))
+    c2 = jax.random.categorical(k1, jnp.log(DRAFT[0]))
+    g = jax.random.categorical(k2, jnp.log(DRAFT[1]))
+    return jnp.stack([0, c1, c2, g]).astype(jnp.int32)
+
+
+def run_rule(rule, seed):
+    def one(key):
+        kd, ka = jax.random.split(key)
+        return rule(sampled_draft_tokens(kd), ka)
+
+    res = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(seed), SAMPLES))
+    return np.asarray(res.emitted[:, 0]), np.asarray(res.emitted[:, 1]), np.asarray(res.path[:, 1])
+
+
+def test_accept_rejection_is_the_target_distribution():
+    rule = lambda toks, key: accept_rejection(PARENTS, toks, DRAFT, LOGITS, key, 1.0)
+    first, second, node = run_rule(rule, 4)
+    assert chi2_pvalue(np.bincount(first, minlength=V), softmax(LOGITS[0])) > 1e-3
+    given1 = second[node == 1]  # the second token after accepting child 1 follows the target at node 1
+    assert len(given1) > 500
+    assert chi2_pvalue(np.bincount(given1[given1 >= 0], minlength=V), softmax(LOGITS[1])) > 1e-3
+
+
+def test_chi_square_harness_detects_a_biased_rule():
+    """Control: accepting the first draft child unconditionally emits the draft's distribution."""
+
+    def biased(toks, key):
+        res = accept_rejection(PARENTS, toks, DRAFT, LOGITS, key, 1.0)
+        return res._replace(emitted=res.emitted.at[0].set(toks[1]))
+
+    first, _, _ = run_rule(biased, 4)
+    assert chi2_pvalue(np.bincount(first, minlength=V), softmax(LOGITS[0])) < 1e-6
+
+
+def test_accept_rejection_validates_probabilities():
+    bad = DRAFT.copy()
+    bad[0, 0] = 1.5
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        accept_rejection(PARENTS, np.zeros(4, np.int32), bad, LOGITS, jax.random.key(0), 1.0)
+    with pytest.raises(ValueError):
+        accept_rejection(PARENTS, np.zeros(4, np.int32), DRAFT[:3], LOGITS, jax.random.key(0), 1.0)
+
+
+def test_accept_rejection_greedy_matches_greedy_walk():
+    toks = np.array([0, 2, 4, 1], np.int32)
+    target = np.argmax(LOGITS, -1).astype(np.int32)
+    a = accept_rejection(PARENTS, toks, DRAFT, LOGITS, jax.random.key(0), 0.0)
+    b = accept_greedy(PARENTS, toks, target)
+    np.testing.assert_array_equal(a.emitted, b.emitted)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compaction
+# ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(tree_case, st.integers(0, 5), st.integers(0, 5))
+def test_compaction_moves_exactly_the_accepted_entries(case, len0, len1):
+    parents, tokens, target = (np.asarray(x, np.int32) for x in case)
+    n = len(parents)
+    b_parents = np.stack([parents, parents])
+    b_target = np.stack([target, np.roll(target, 1)])
+    res = accept_greedy(b_parents, np.stack([tokens, tokens]), b_target)
+    lens = np.array([len0, len1], np.int32)
+    length = 6 + n
+    rng = np.random.default_rng(0)
+    cache = {"k": rng.normal(size=(2, length, 3)).astype(np.float32), "v": rng.normal(size=(2, length)).astype(np.float32)}
+    out = jax.jit(compact_kv)(cache, lens, res.path, res.num_emitted)
+    for name in cache:
+        before, after = cache[name], np.asarray(out[name])
+        for b in range(2):
+            k = int(res.num_emitted[b])
+            path = np.asarray(res.path[b, :k])
+            expect = before[b].copy()
+            expect[lens[b] : lens[b] + k] = before[b][lens[b] + path]
+            np.testing.assert_array_equal(after[b], expect)
+
+
+def test_compaction_shape_errors():
+    with pytest.raises(ValueError):
+        compact_kv({"k": np.zeros((2, 8))}, np.zeros(3, np.int32), np.zeros((2, 4), np.int32), np.ones(2, np.int32))
