@@ -1,0 +1,133 @@
+"""Qwen3 dense target (``Qwen3ForCausalLM``), functional JAX.
+
+One ``forward`` serves every phase; the caller picks positions, ``lens`` and the local mask:
+  * prefill: ``positions = arange(T)``, ``lens = 0``, causal ``local_mask`` (rows past a request's real length
+    are written but harmless: the caller's ``lens`` never covers them);
+  * tree verify: ``positions = lens + depth``, ``local_mask`` = ancestor-or-self mask of the tree;
+  * decode: ``T = 1``.
+The T new tokens' K/V are written at rows ``[lens, lens + T)``; advancing ``lens`` (after compacting the accepted
+path) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dtree_jax.models.cache import KVCache, init_kv_cache
+from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.layers import (
+    LayerParams,
+    Leaf,
+    abstract_leaf,
+    decoder_layer,
+    hf_leaf,
+    layer_hf_shapes,
+    load_layer,
+    rms_norm,
+    rope_tables,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Qwen3Params:
+    embed: jax.Array  # [V, H]
+    layers: tuple[LayerParams, ...]
+    final_norm: jax.Array  # [H]
+    lm_head: jax.Array | None  # [H, V]; None when tie_word_embeddings (then embed.T is used)
+
+
+def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen3Config:
+    """``Qwen3Config.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
+    return Qwen3Config.from_hf(d, **overrides)
+
+
+def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every HF checkpoint key -> HF shape (``lm_head.weight`` absent when tied)."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer_hf_shapes(cfg).items()})
+    shapes["model.norm.weight"] = (cfg.hidden_size,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def _build(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
+    return Qwen3Params(
+        embed=leaf("model.embed_tokens.weight", False),
+        layers=tuple(load_layer(leaf, f"model.layers.{i}.") for i in range(cfg.num_layers)),
+        final_norm=leaf("model.norm.weight", False),
+        lm_head=None if cfg.tie_word_embeddings else leaf("lm_head.weight", True),
+    )
+
+
+def params_from_hf(cfg: Qwen3Config, get: Callable[[str], Any], dtype) -> Qwen3Params:
+    """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
+    return _build(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
+
+
+def abstract_params(cfg: Qwen3Config, dtype) -> Qwen3Params:
+    """``Qwen3Params`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
+    return _build(cfg, abstract_leaf(hf_shapes(cfg), dtype))
+
+
+def init_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
+    """Zero KV cache, per layer ``[batch, max_len, Hkv, D]`` in ``cfg.dtype``."""
+    return init_kv_cache(cfg, batch, max_len)
+
+
+def embed(params: Qwen3Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``tokens [...]`` -> ``[..., H]`` (the params' dtype)."""
+    return jnp.take(params.embed, tokens, axis=0)
+
+
+def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
+    """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``."""
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: Qwen3Params,
+    cfg: Qwen3Config,
+    tokens: jax.Array,  # [B, T] int32
+    positions: jax.Array,  # [B, T] int32 RoPE positions
+    cache: KVCache,
+    lens: jax.Array,  # [B] int32 rows already in the cache
+    local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Runs T new tokens per request; returns ``(logits [B, T, V] fp32, feats [B, T, len(taps) * H], cache)``.
+
+    ``feats`` concatenates, in ``taps`` order, the residual stream after decoder layer ``id`` (HF
+    ``output_hidden_states[id + 1]`` for ``id < num_layers - 1``; HF's last entry is post-norm).
+    ``cfg`` and ``taps`` are static under ``jit``.  Requires ``lens + T <= cache capacity``.
+    """
+    b, t = tokens.shape
+    if positions.shape != (b, t) or local_mask.shape != (b, t, t) or jnp.shape(lens) != (b,):
+        raise ValueError(
+            f"shapes disagree: tokens {tokens.shape}, positions {positions.shape}, lens {jnp.shape(lens)}, "
+            f"local_mask {local_mask.shape}"
+        )
+    if any(not 0 <= i < cfg.num_layers for i in taps):
+        raise ValueError(f"taps {taps} out of range for {cfg.num_layers} layers")
+    if t > cache.capacity:
+        raise ValueError(f"{t} tokens do not fit a cache of {cache.capacity} rows")
+    x = embed(params, tokens).astype(cfg.dtype)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    ks, vs, tapped = [], [], {}
+    for i, p in enumerate(params.layers):
+        x, k, v = decoder_layer(p, cfg, x, cos, sin, cache.k[i], cache.v[i], lens, local_mask)
+        ks.append(k)
+        vs.append(v)
+        if i in taps:
+            tapped[i] = x
+    feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
+    logits = lm_head(params, cfg, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
+    return logits, feats, KVCache(k=tuple(ks), v=tuple(vs))
