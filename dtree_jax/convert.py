@@ -1,0 +1,551 @@
+"""HF / PyTorch checkpoints -> dtree_jax params, and orbax save/restore of converted models.
+
+An HF model directory holds ``config.json`` and weights as ``model.safetensors``, a sharded set named by
+``model.safetensors.index.json``, other ``*.safetensors`` files, or PyTorch ``*.bin``/``*.pt`` pickles (only these
+need torch).  The model kind comes from the config (``model_kind``); each kind's module in ``MODEL_MODULES``
+provides ``config_from_hf(d)``, ``hf_shapes(cfg)`` (canonical HF key -> shape), ``params_from_hf(cfg, get, dtype)``
+and ``abstract_params(cfg, dtype)``.  Checkpoint keys are mapped to canonical keys (``canonical_key``), checked
+against ``hf_shapes`` (missing / unexpected / wrong shape, before any tensor is read), then read one tensor at a
+time, so peak host memory is about the converted params plus one tensor.
+
+``convert`` writes ``out/target/`` and ``out/drafter/``, each with ``config.json``, tokenizer files, ``params/``
+(orbax ``StandardCheckpointer``) and ``dtree_jax.json`` (kind and dtype); ``load_converted`` restores one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+MODEL_MODULES = {
+    "qwen3": "dtree_jax.models.qwen3",
+    "qwen3_5": "dtree_jax.models.qwen3_5",
+    "drafter": "dtree_jax.models.drafter",
+}
+TARGET_KINDS = ("qwen3", "qwen3_5")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+DTYPES = ("bfloat16", "float16", "float32")
+INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+META_FILE = "dtree_jax.json"
+PARAMS_DIR = "params"
+_NON_WEIGHT_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt")  # Trainer outputs beside weights
+_TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config and model kind
+
+
+def read_config(path: str | Path) -> dict:
+    """The parsed ``config.json`` of a model directory."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: not found (expected a model directory with config.json)")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return config
+
+
+def model_kind(config: dict, config_file: str | Path = "config.json") -> str:
+    """``"drafter"`` (DFlash/Domino), ``"qwen3"`` or ``"qwen3_5"`` (hybrid GDN targets) from an HF config."""
+    if "DFlashDraftModel" in (config.get("architectures") or ()) or "dflash_config" in config:
+        return "drafter"
+    model_type = config.get("model_type")
+    if model_type == "qwen3":
+        return "qwen3"
+    if model_type in HYBRID_MODEL_TYPES:
+        return "qwen3_5"
+    raise ValueError(
+        f"{config_file}: unknown model_type {model_type!r} "
+        f"(supported: 'qwen3', {', '.join(map(repr, HYBRID_MODEL_TYPES))}, or a DFlash drafter)"
+    )
+
+
+def model_module(kind: str) -> ModuleType:
+    """The module implementing ``kind`` (see the module docstring for its contract)."""
+    if kind not in MODEL_MODULES:
+        raise ValueError(f"unknown model kind {kind!r} (known: {sorted(MODEL_MODULES)})")
+    name = MODEL_MODULES[kind]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise ValueError(f"model kind {kind!r} needs {name}, which this dtree_jax build does not have") from e
+
+
+def canonical_key(kind: str, key: str) -> str | None:
+    """Maps a checkpoint key to the canonical key of ``hf_shapes``; None for tensors that are skipped.
+
+    Drafters accept ``model.``-prefixed and bare keys; hybrid targets accept ``model.language_model.`` (the
+    ConditionalGeneration layout) and skip the vision tower ``model.visual.*`` and the MTP head ``mtp.*``.
+    """
+    if kind == "drafter":
+        return key.removeprefix("model.")
+    if kind == "qwen3_5":
+        if key.startswith(("model.visual.", "mtp.")):
+            return None
+        if key.startswith("model.language_model."):
+            return "model." + key.removeprefix("model.language_model.")
+    return key
+
+
+def _config_from_hf(module: ModuleType, config: dict, config_file: Path) -> Any:
+    """``module.config_from_hf(config)`` with its errors (e.g. an unknown projector_type) naming the file."""
+    try:
+        return module.config_from_hf(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_file}: {type(e).__name__}: {e}") from e
+
+
+def _dtype(dtype: Any, config: dict) -> np.dtype:
+    """``dtype`` (None: the config's ``dtype``/``torch_dtype``, else float32) as one of ``DTYPES``."""
+    if dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {DTYPES})") from e
+    if resolved.name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {DTYPES})")
+    return resolved
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint readers
+
+
+@contextlib.contextmanager
+def _file_errors(file: Path, what: str):
+    """Re-raises a reader's exception (anything but ValueError) as a ValueError naming ``file``."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{file}: cannot {what} ({type(e).__name__}: {e}); truncated or corrupt?") from e
+
+
+class _SafetensorsFile:
+    def __init__(self, file: Path):
+        from safetensors import safe_open
+
+        self.file = file
+        with _file_errors(file, "open safetensors file"):
+            self._handle = safe_open(str(file), framework="numpy")
+            self._keys = list(self._handle.keys())
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        with _file_errors(self.file, f"read the header of {key!r}"):
+            return tuple(self._handle.get_slice(key).get_shape())
+
+    def read(self, key: str) -> np.ndarray:
+        with _file_errors(self.file, f"read {key!r}"):
+            return self._handle.get_tensor(key)
+
+
+class _TorchFile:
+    def __init__(self, file: Path):
+        try:
+            import torch
+        except ImportError as e:
+            raise ValueError(
+                f"{file}: reading PyTorch .bin/.pt checkpoints needs torch (pip install torch); "
+                "safetensors checkpoints need no torch"
+            ) from e
+        self.file, self._torch = file, torch
+        with _file_errors(file, "load PyTorch checkpoint"):
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{file}: expected a state dict, got {type(state).__name__}")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{file}: {key!r} is a {type(value).__name__}, not a tensor")
+        self._state = state
+
+    def keys(self) -> list[str]:
+        return list(self._state)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._state[key].shape)
+
+    def read(self, key: str) -> np.ndarray:
+        with _file_errors(self.file, f"read {key!r}"):
+            t = self._state[key].contiguous()
+            if t.dtype == self._torch.bfloat16:
+                return t.view(self._torch.uint16).numpy().view(ml_dtypes.bfloat16)
+            return t.numpy()
+
+
+def _open_file(file: Path) -> _SafetensorsFile | _TorchFile:
+    return _SafetensorsFile(file) if file.suffix == ".safetensors" else _TorchFile(file)
+
+
+class CheckpointReader:
+    """The tensors of one HF checkpoint directory, read lazily one at a time (file handles kept per shard).
+
+    ``source`` is what error messages name for keys that are absent: the index file or the directory.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._where: dict[str, Path] = {}  # checkpoint key -> file
+        self._files: dict[Path, _SafetensorsFile | _TorchFile] = {}
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.source = index
+            self._read_index(index)
+            return
+        self.source = self.path
+        single = self.path / "model.safetensors"
+        files = [single] if single.is_file() else sorted(self.path.glob("*.safetensors"))
+        files = files or sorted(
+            f for f in [*self.path.glob("*.bin"), *self.path.glob("*.pt")] if f.name not in _NON_WEIGHT_FILES
+        )
+        if not files:
+            raise ValueError(f"{self.path}: no checkpoint weights (*.safetensors, *.bin or *.pt)")
+        for file in files:
+            handle = self._files[file] = _open_file(file)
+            for key in handle.keys():
+                if key in self._where:
+                    raise ValueError(f"{file}: key {key!r} also stored in {self._where[key]}")
+                self._where[key] = file
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: invalid safetensors index ({type(e).__name__}: {e})") from e
+        for key, name in weight_map.items():
+            file = self.path / name
+            if file not in self._files:
+                if not file.is_file():
+                    raise ValueError(f"{index}: shard {name!r} holding {key!r} not found")
+                self._files[file] = _open_file(file)
+            if key not in self._files[file].keys():
+                raise ValueError(f"{file}: key {key!r} listed in {index.name} is not in this shard")
+            self._where[key] = file
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def file(self, key: str) -> Path:
+        return self._where[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._files[self._where[key]].shape(key)
+
+    def read(self, key: str) -> np.ndarray:
+        return self._files[self._where[key]].read(key)
+
+    def close(self) -> None:
+        self._files.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF -> params
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModel:
+    """An HF model directory's config, resolved kind, model module and static config."""
+
+    path: Path
+    config: dict
+    kind: str
+    module: ModuleType
+    cfg: Any
+
+    @classmethod
+    def open(cls, path: str | Path) -> HFModel:
+        path = Path(path).absolute()
+        config = read_config(path)
+        config_file = path / "config.json"
+        kind = model_kind(config, config_file)
+        module = model_module(kind)
+        return cls(path, config, kind, module, _config_from_hf(module, config, config_file))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    keys: int
+    bytes: int
+    seconds: float
+
+
+def _match_keys(kind: str, reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Canonical key -> checkpoint key, after checking the keys and header shapes against ``expected``."""
+    raw_of: dict[str, str] = {}
+    for raw in reader.keys():
+        key = canonical_key(kind, raw)
+        if key is None:
+            continue
+        if key in raw_of:
+            raise ValueError(f"{reader.file(raw)}: keys {raw_of[key]!r} and {raw!r} both map to {key!r}")
+        raw_of[key] = raw
+    if _TIED_HEAD in raw_of and _TIED_HEAD not in expected and _EMBED in expected and _EMBED in raw_of:
+        head = raw_of.pop(_TIED_HEAD)
+        if not np.array_equal(reader.read(head), reader.read(raw_of[_EMBED])):
+            raise ValueError(
+                f"{reader.file(head)}: key {head!r} differs from {raw_of[_EMBED]!r} but the config ties them "
+                "(tie_word_embeddings)"
+            )
+
+    def listing(keys: list[str]) -> str:
+        more = f" (and {len(keys) - 1} more: {', '.join(keys[1:6])}{', ...' if len(keys) > 6 else ''})"
+        return repr(keys[0]) + (more if len(keys) > 1 else "")
+
+    unexpected = sorted(raw_of.keys() - expected.keys())
+    if unexpected:
+        raws = [raw_of[k] for k in unexpected]
+        raise ValueError(f"{reader.file(raws[0])}: unexpected key {listing(raws)} for a {kind} model")
+    missing = sorted(expected.keys() - raw_of.keys())
+    if missing:
+        raise ValueError(f"{reader.source}: missing key {listing(missing)} for a {kind} model")
+    for key, shape in expected.items():
+        got = reader.shape(raw_of[key])
+        if got != tuple(shape):
+            raise ValueError(
+                f"{reader.file(raw_of[key])}: key {raw_of[key]!r} has shape {got}, expected {tuple(shape)}"
+            )
+    return raw_of
+
+
+def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> tuple[Any, ReadStats]:
+    """Validates and converts ``model``'s checkpoint (one tensor at a time) to its params pytree."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    dtype = _dtype(dtype, model.config)
+    expected = model.module.hf_shapes(model.cfg)
+    with CheckpointReader(model.path) as reader:
+        raw_of = _match_keys(model.kind, reader, expected)
+        done: set[str] = set()
+        nbytes = 0
+        bar = tqdm(
+            total=len(expected),
+            desc=f"{model.kind} {model.path.name}",
+            unit="tensor",
+            leave=False,
+            disable=not progress or not sys.stderr.isatty(),
+        )
+
+        def get(key: str) -> np.ndarray:
+            nonlocal nbytes
+            if key not in raw_of:
+                raise KeyError(f"{model.kind} model asked for {key!r}, which its hf_shapes does not list")
+            raw = raw_of[key]
+            array = reader.read(raw)
+            if array.dtype not in INPUT_DTYPES:
+                raise ValueError(
+                    f"{reader.file(raw)}: key {raw!r} has dtype {array.dtype}; expected bfloat16, float16 or float32"
+                )
+            done.add(key)
+            nbytes += array.nbytes
+            bar.update()
+            return array
+
+        with bar:
+            params = model.module.params_from_hf(model.cfg, get, dtype)
+    if done != expected.keys():
+        raise RuntimeError(f"{model.module.__name__}.params_from_hf did not read {sorted(expected.keys() - done)}")
+    return params, ReadStats(len(done), nbytes, time.perf_counter() - start)
+
+
+def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tuple[str, Any, Any]:
+    """Converts an HF model directory in memory: ``(kind, cfg, params)``.
+
+    ``dtype`` (a name or dtype in ``DTYPES``) defaults to the config's ``dtype``/``torch_dtype``, else float32.
+    """
+    model = HFModel.open(path)
+    params, _ = read_params(model, dtype, progress=progress)
+    return model.kind, model.cfg, params
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Converted (orbax) directories
+
+
+def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) -> tuple[str, ReadStats]:
+    model = HFModel.open(src)
+    if (model.kind == "drafter") != (role == "drafter"):
+        raise ValueError(f"{model.path / 'config.json'}: a {model.kind} model cannot be the {role}")
+    with jax.default_device(jax.devices("cpu")[0]):  # keep the host copy off accelerators
+        params, stats = read_params(model, dtype, progress=progress)
+    import orbax.checkpoint as ocp
+
+    dst.mkdir(parents=True)
+    shutil.copy2(model.path / "config.json", dst / "config.json")
+    for name in TOKENIZER_FILES:
+        if (model.path / name).is_file():
+            shutil.copy2(model.path / name, dst / name)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(dst / PARAMS_DIR, params)
+        ckptr.wait_until_finished()
+    meta = {"kind": model.kind, "dtype": _dtype(dtype, model.config).name, "source": str(model.path)}
+    (dst / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return model.kind, stats
+
+
+def convert(
+    target_dir: str | Path,
+    drafter_dir: str | Path | None = None,
+    *,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Converts HF target (and drafter) directories to ``out_dir/target`` (and ``out_dir/drafter``).
+
+    The result is built in a temporary sibling directory and renamed into place, so ``out_dir`` is untouched
+    unless the whole conversion succeeds.  An existing non-empty ``out_dir`` is replaced only with ``overwrite``.
+    Returns a summary: ``{"out", "dtype", "models": {role: kind}, "keys", "bytes", "seconds"}``.
+    """
+    start = time.perf_counter()
+    out = Path(out_dir).absolute()
+    dtype = _dtype(dtype, {}).name
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise ValueError(f"{out}: exists and is not an empty directory; pass overwrite=True (--overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    summary = {"out": str(out), "dtype": dtype, "models": {}, "keys": 0, "bytes": 0}
+    try:
+        for role, src in (("target", target_dir), ("drafter", drafter_dir)):
+            if src is not None:
+                kind, stats = _convert_one(Path(src), tmp / role, role, dtype, progress)
+                summary["models"][role] = kind
+                summary["keys"] += stats.keys
+                summary["bytes"] += stats.bytes
+        if out.exists():
+            old = tmp.with_name(tmp.name + ".old")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary["seconds"] = time.perf_counter() - start
+    return summary
+
+
+def _read_meta(path: Path) -> dict:
+    file = path / META_FILE
+    try:
+        meta = json.loads(file.read_text())
+        return {"kind": meta["kind"], "dtype": meta["dtype"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: not a converted dtree_jax model ({type(e).__name__}: {e})") from e
+
+
+def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, Any]:
+    """Restores a converted model directory (``out/target`` or ``out/drafter``): ``(kind, cfg, params)``.
+
+    ``shardings``: one ``jax.sharding.Sharding`` for every leaf, or a pytree of them matching the params;
+    default: the first device.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = _read_meta(path)
+    module = model_module(meta["kind"])
+    cfg = _config_from_hf(module, read_config(path), path / "config.json")
+    abstract = module.abstract_params(cfg, jnp.dtype(meta["dtype"]))
+    if shardings is None:
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, abstract)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    with ocp.StandardCheckpointer() as ckptr, _file_errors(path / PARAMS_DIR, "restore orbax params"):
+        params = ckptr.restore(path / PARAMS_DIR, target)
+    return meta["kind"], cfg, params
+
+
+def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
+    """``(kind, cfg, params)`` from a converted model directory or an HF directory (converted on the fly).
+
+    ``dtype`` None keeps the converted dtype (HF: the config's dtype); otherwise leaves are cast to it.
+    """
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        kind, cfg, params = load_converted(path)
+        if dtype is not None:
+            abstract = model_module(kind).abstract_params(cfg, _dtype(dtype, {}))
+            params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
+        return kind, cfg, params
+    if (path / "config.json").is_file():
+        return load_hf(path, dtype)
+    roles = [r for r in ("target", "drafter") if (path / r / META_FILE).is_file()]
+    if roles:
+        raise ValueError(f"{path}: a conversion output; pass {' or '.join(str(path / r) for r in roles)}")
+    raise ValueError(f"{path}: neither a converted model ({META_FILE}) nor an HF model directory (config.json)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _run_cli(args) -> int:
+    s = convert(
+        args.target,
+        args.drafter,
+        out_dir=args.out,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    models = " + ".join(f"{role} ({kind})" for role, kind in s["models"].items())
+    print(
+        f"converted {models} to {s['out']} as {s['dtype']}: {s['keys']} keys, "
+        f"{s['bytes'] / 1e9:.3f} GB read, {s['seconds']:.1f} s"
+    )
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("convert", help="convert HF/PyTorch target (and drafter) checkpoints to dtree_jax (orbax)")
+    p.add_argument("--target", required=True, help="HF target model directory (config.json + weights)")
+    p.add_argument("--drafter", help="HF DFlash/Domino drafter directory")
+    p.add_argument("--out", required=True, help="output directory (gets target/ and drafter/)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_cli)

@@ -1,0 +1,445 @@
+"""HF/PyTorch checkpoint conversion (dtree_jax.convert): readers, key normalisation, validation, orbax, CLI.
+
+Most tests use small fake model modules that follow the model-module contract (``config_from_hf``, ``hf_shapes``,
+``params_from_hf``, ``abstract_params``), so the converter is tested independently of the real models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dtree_jax import convert as cv
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake model modules
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeConfig:
+    drafter: bool
+    vocab: int
+    dim: int
+    inter: int
+    layers: int
+    tied: bool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FakeLayer:
+    up: jax.Array  # [D, I]
+    down: jax.Array  # [I, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FakeParams:
+    first: jax.Array  # target: embedding [V, D]; drafter: fc [2D, D]
+    layers: tuple[FakeLayer, ...]
+    norm: jax.Array  # [D]
+    head: jax.Array  # [D, V] (the embedding's transpose when tied); drafter: [D]
+
+
+def _fake_module(name: str, drafter: bool) -> types.ModuleType:
+    prefix = "" if drafter else "model."
+
+    def config_from_hf(d):
+        projector = d.get("dflash_config", {}).get("projector_type", "domino")
+        if projector not in ("domino", "causal_v5"):
+            raise ValueError(f"unknown projector_type {projector!r}")
+        d = d.get("text_config", d)
+        return FakeConfig(
+            drafter, d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"],
+            d.get("tie_word_embeddings", False),
+        )
+
+    def hf_shapes(cfg):
+        shapes = {"fc.weight": (cfg.dim, 2 * cfg.dim)} if drafter else {"model.embed_tokens.weight": (cfg.vocab, cfg.dim)}
+        for i in range(cfg.layers):
+            shapes[f"{prefix}layers.{i}.mlp.up_proj.weight"] = (cfg.inter, cfg.dim)
+            shapes[f"{prefix}layers.{i}.mlp.down_proj.weight"] = (cfg.dim, cfg.inter)
+        shapes[f"{prefix}norm.weight"] = (cfg.dim,)
+        if not drafter and not cfg.tied:
+            shapes["lm_head.weight"] = (cfg.vocab, cfg.dim)
+        return shapes
+
+    def params_from_hf(cfg, get, dtype):
+        # Deliberately reads in a scrambled order (the contract allows any order).
+        layers = tuple(
+            FakeLayer(
+                jnp.asarray(get(f"{prefix}layers.{i}.mlp.up_proj.weight").T, dtype),
+                jnp.asarray(get(f"{prefix}layers.{i}.mlp.down_proj.weight").T, dtype),
+            )
+            for i in reversed(range(cfg.layers))
+        )[::-1]
+        norm = jnp.asarray(get(f"{prefix}norm.weight"), dtype)
+        if drafter:
+            return FakeParams(jnp.asarray(get("fc.weight").T, dtype), layers, norm, norm + 1)
+        embed = jnp.asarray(get("model.embed_tokens.weight"), dtype)
+        head = embed.T if cfg.tied else jnp.asarray(get("lm_head.weight").T, dtype)
+        return FakeParams(embed, layers, norm, head)
+
+    def abstract_params(cfg, dtype):
+        shapes = hf_shapes(cfg)
+        return jax.eval_shape(lambda: params_from_hf(cfg, lambda k: np.zeros(shapes[k], np.float32), dtype))
+
+    module = types.ModuleType(name)
+    module.config_from_hf, module.hf_shapes = config_from_hf, hf_shapes
+    module.params_from_hf, module.abstract_params = params_from_hf, abstract_params
+    return module
+
+
+@pytest.fixture(autouse=True)
+def fake_models(monkeypatch):
+    for kind in cv.MODEL_MODULES:
+        name = f"_fake_dtree_{kind}"
+        monkeypatch.setitem(sys.modules, name, _fake_module(name, drafter=kind == "drafter"))
+        monkeypatch.setitem(cv.MODEL_MODULES, kind, name)
+
+
+TARGET_CONFIG = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 11,
+    "hidden_size": 4,
+    "intermediate_size": 6,
+    "num_hidden_layers": 2,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+DRAFTER_CONFIG = {
+    **TARGET_CONFIG,
+    "architectures": ["DFlashDraftModel"],
+    "num_hidden_layers": 1,
+    "dflash_config": {"projector_type": "domino", "mask_token_id": 10},
+}
+
+
+def _tensors(config: dict, dtype=np.float32, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors for every key of the fake model of ``config`` (values exact in bf16)."""
+    kind = cv.model_kind(config)
+    module = cv.model_module(kind)
+    rng = np.random.default_rng(seed)
+    shapes = module.hf_shapes(module.config_from_hf(config))
+    return {k: (rng.integers(-64, 64, s) / 8).astype(dtype) for k, s in shapes.items()}
+
+
+def _save(path: Path, tensors: dict[str, np.ndarray], config: dict, fmt: str = "single") -> Path:
+    """Writes an HF-style directory: ``single`` / ``sharded`` (index) / ``glob`` (two unindexed files) / ``bin``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    keys = sorted(tensors)
+    halves = {"a": {k: tensors[k] for k in keys[::2]}, "b": {k: tensors[k] for k in keys[1::2]}}
+    if fmt == "single":
+        save_file(tensors, str(path / "model.safetensors"))
+    elif fmt == "sharded":
+        names = {h: f"model-0000{i + 1}-of-00002.safetensors" for i, h in enumerate(halves)}
+        weight_map = {}
+        for h, part in halves.items():
+            save_file(part, str(path / names[h]))
+            weight_map.update({k: names[h] for k in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    elif fmt == "glob":
+        for h, part in halves.items():
+            save_file(part, str(path / f"weights-{h}.safetensors"))
+    elif fmt == "bin":
+        import torch
+
+        def to_torch(x):
+            if x.dtype == ml_dtypes.bfloat16:
+                return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+            return torch.from_numpy(x)
+
+        for h, part in halves.items():
+            torch.save({k: to_torch(v) for k, v in part.items()}, path / f"pytorch_model-{h}.bin")
+    else:
+        raise AssertionError(fmt)
+    return path
+
+
+def _expected(tensors: dict[str, np.ndarray], drafter: bool = False) -> list[np.ndarray]:
+    """The fake model's params leaves (in tree order), computed directly in float32."""
+    t = {k.removeprefix("model."): np.asarray(v, np.float32) for k, v in tensors.items()}
+    n = sum(k.endswith("up_proj.weight") for k in t)
+    layers = [x for i in range(n) for x in (t[f"layers.{i}.mlp.up_proj.weight"].T, t[f"layers.{i}.mlp.down_proj.weight"].T)]
+    if drafter:
+        return [t["fc.weight"].T, *layers, t["norm.weight"], t["norm.weight"] + 1]
+    head = t["lm_head.weight"].T if "lm_head.weight" in t else t["embed_tokens.weight"].T
+    return [t["embed_tokens.weight"], *layers, t["norm.weight"], head]
+
+
+def _assert_leaves(params, expected, dtype=jnp.float32):
+    leaves = jax.tree.leaves(params)
+    assert len(leaves) == len(expected)
+    for got, want in zip(leaves, expected):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+def _assert_same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readers, dtypes, key normalisation
+
+
+@pytest.mark.parametrize("fmt", ["single", "sharded", "glob", "bin"])
+def test_formats_give_identical_params(tmp_path, fmt):
+    tensors = _tensors(TARGET_CONFIG, ml_dtypes.bfloat16)
+    kind, cfg, params = cv.load_hf(_save(tmp_path / fmt, tensors, TARGET_CONFIG, fmt), "float32")
+    assert kind == "qwen3" and cfg.layers == 2 and isinstance(params, FakeParams)
+    _assert_leaves(params, _expected(tensors))
+
+
+@pytest.mark.parametrize("in_dtype", [ml_dtypes.bfloat16, np.float16, np.float32])
+@pytest.mark.parametrize("fmt", ["single", "bin"])
+def test_input_dtypes(tmp_path, in_dtype, fmt):
+    tensors = _tensors(TARGET_CONFIG, in_dtype, seed=1)
+    path = _save(tmp_path, tensors, TARGET_CONFIG, fmt)
+    _, _, params = cv.load_hf(path, jnp.float32)
+    _assert_leaves(params, _expected(tensors))
+    _, _, params = cv.load_hf(path)  # the config's dtype
+    _assert_leaves(params, _expected(tensors), jnp.bfloat16)
+
+
+def test_safetensors_need_no_torch_and_bin_needs_it(tmp_path, monkeypatch):
+    tensors = _tensors(TARGET_CONFIG)
+    single = _save(tmp_path / "st", tensors, TARGET_CONFIG)
+    binary = _save(tmp_path / "bin", tensors, TARGET_CONFIG, "bin")
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    _assert_leaves(cv.load_hf(single, "float32")[2], _expected(tensors))
+    with pytest.raises(ValueError, match="needs torch") as e:
+        cv.load_hf(binary)
+    assert str(binary / "pytorch_model-a.bin") in str(e.value)
+
+
+def test_drafter_accepts_prefixed_and_bare_keys(tmp_path):
+    tensors = _tensors(DRAFTER_CONFIG)
+    bare = _save(tmp_path / "bare", tensors, DRAFTER_CONFIG)
+    prefixed = _save(tmp_path / "prefixed", {f"model.{k}": v for k, v in tensors.items()}, DRAFTER_CONFIG)
+    for path in (bare, prefixed):
+        kind, _, params = cv.load_hf(path, "float32")
+        assert kind == "drafter"
+        _assert_leaves(params, _expected(tensors, drafter=True))
+
+
+def test_hybrid_language_model_prefix_and_skipped_keys(tmp_path):
+    text = {**TARGET_CONFIG, "model_type": "qwen3_5_text"}
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    tensors = _tensors(text, seed=2)
+    vl = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    vl["model.visual.blocks.0.attn.qkv.weight"] = np.ones((3, 2), np.float32)
+    vl["mtp.fc.weight"] = np.ones((4, 8), np.float32)
+    for name, cfg_dict, ckpt in (("plain", text, tensors), ("vl", config, vl)):
+        kind, _, params = cv.load_hf(_save(tmp_path / name, ckpt, cfg_dict), "float32")
+        assert kind == "qwen3_5"
+        _assert_leaves(params, _expected(tensors))
+
+
+def test_tied_checkpoint_with_equal_lm_head_is_accepted(tmp_path):
+    config = {**TARGET_CONFIG, "tie_word_embeddings": True}
+    tensors = _tensors(config)
+    stored = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].copy()}
+    _, cfg, params = cv.load_hf(_save(tmp_path, stored, config), "float32")
+    assert cfg.tied
+    _assert_leaves(params, _expected(tensors))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad inputs: ValueError naming the file and the key
+
+
+def _corrupt(what):
+    """Mutators ``(path) -> (file, key)`` applied to a saved single-file target checkpoint."""
+
+    def apply(path: Path):
+        st = path / "model.safetensors"
+        tensors = _tensors(TARGET_CONFIG)
+        if what == "missing":
+            del tensors["model.layers.1.mlp.up_proj.weight"]
+            save_file(tensors, str(st))
+            return path, "model.layers.1.mlp.up_proj.weight"
+        if what == "unexpected":
+            save_file({**tensors, "model.layers.7.mlp.up_proj.weight": np.ones(3, np.float32)}, str(st))
+            return st, "model.layers.7.mlp.up_proj.weight"
+        if what == "shape":
+            save_file({**tensors, "model.norm.weight": np.ones(5, np.float32)}, str(st))
+            return st, "model.norm.weight"
+        if what == "int_dtype":
+            save_file({**tensors, "model.norm.weight": np.ones(4, np.int32)}, str(st))
+            return st, "model.norm.weight"
+        if what == "tied_mismatch":
+            config = {**TARGET_CONFIG, "tie_word_embeddings": True}
+            (path / "config.json").write_text(json.dumps(config))
+            return st, "lm_head.weight"
+        if what == "truncated":
+            st.write_bytes(st.read_bytes()[:-10])
+            return st, "truncated or corrupt"
+        if what == "corrupt_header":
+            st.write_bytes(b"\xff" * 8 + st.read_bytes()[8:])
+            return st, "truncated or corrupt"
+        if what == "truncated_bin":
+            st.unlink()
+            _save(path, tensors, TARGET_CONFIG, "bin")
+            binary = path / "pytorch_model-a.bin"
+            binary.write_bytes(binary.read_bytes()[:200])
+            return binary, "truncated or corrupt"
+        if what == "missing_shard":
+            st.unlink()
+            _save(path, tensors, TARGET_CONFIG, "sharded")
+            (path / "model-00002-of-00002.safetensors").unlink()
+            return path / "model.safetensors.index.json", "model-00002-of-00002.safetensors"
+        if what == "model_type":
+            (path / "config.json").write_text(json.dumps({**TARGET_CONFIG, "model_type": "llama"}))
+            return path / "config.json", "'llama'"
+        if what == "projector_type":
+            (path / "config.json").write_text(json.dumps({**DRAFTER_CONFIG, "dflash_config": {"projector_type": "x"}}))
+            return path / "config.json", "projector_type 'x'"
+        if what == "no_weights":
+            st.unlink()
+            return path, "no checkpoint weights"
+        raise AssertionError(what)
+
+    return apply
+
+
+BAD = [
+    "missing", "unexpected", "shape", "int_dtype", "tied_mismatch", "truncated", "corrupt_header",
+    "truncated_bin", "missing_shard", "model_type", "projector_type", "no_weights",
+]
+
+
+@pytest.mark.parametrize("what", BAD)
+def test_bad_input_names_file_and_key(tmp_path, what):
+    path = _save(tmp_path / "ckpt", _tensors(TARGET_CONFIG), TARGET_CONFIG)
+    file, key = _corrupt(what)(path)
+    with pytest.raises(ValueError) as e:
+        cv.load_hf(path)
+    assert str(file) in str(e.value) and key in str(e.value), str(e.value)
+
+
+def test_missing_model_module_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(cv.MODEL_MODULES, "qwen3", "dtree_jax.models.not_written_yet")
+    with pytest.raises(ValueError, match="needs dtree_jax.models.not_written_yet"):
+        cv.load_hf(_save(tmp_path, _tensors(TARGET_CONFIG), TARGET_CONFIG))
+
+
+def test_model_kind_detection():
+    assert cv.model_kind({"model_type": "qwen3"}) == "qwen3"
+    assert cv.model_kind({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}) == "drafter"
+    assert cv.model_kind({"model_type": "qwen3", "dflash_config": {}}) == "drafter"
+    for t in ("qwen3_5", "qwen3_5_text", "qwen3_next"):
+        assert cv.model_kind({"model_type": t}) == "qwen3_5"
+    with pytest.raises(ValueError, match="cfg.json: unknown model_type 'gpt2'"):
+        cv.model_kind({"model_type": "gpt2"}, "cfg.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion to orbax and back
+
+
+@pytest.fixture
+def hf_dirs(tmp_path):
+    target = _save(tmp_path / "target", _tensors(TARGET_CONFIG, ml_dtypes.bfloat16), TARGET_CONFIG, "sharded")
+    (target / "tokenizer.json").write_text('{"fake": true}')
+    (target / "tokenizer_config.json").write_text("{}")
+    drafter = _save(tmp_path / "drafter", _tensors(DRAFTER_CONFIG, seed=3), DRAFTER_CONFIG)
+    return target, drafter
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_orbax_round_trip_equals_load_hf(tmp_path, hf_dirs, dtype):
+    target, drafter = hf_dirs
+    out = tmp_path / "out"
+    summary = cv.convert(target, drafter, out_dir=out, dtype=dtype, progress=False)
+    assert summary["models"] == {"target": "qwen3", "drafter": "drafter"}
+    assert summary["keys"] == 7 + 4 and summary["bytes"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "out", "target"]  # no temporaries left
+    assert (out / "target" / "tokenizer.json").read_text() == '{"fake": true}'
+    assert (out / "target" / "config.json").read_text() == (target / "config.json").read_text()
+    for role, src in (("target", target), ("drafter", drafter)):
+        kind, cfg, params = cv.load_converted(out / role)
+        want_kind, want_cfg, want = cv.load_hf(src, dtype)
+        assert (kind, cfg) == (want_kind, want_cfg)
+        assert isinstance(params, FakeParams)
+        _assert_same(params, want)
+    # Explicit shardings: one for all leaves, or a matching pytree.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _, target_cfg, one = cv.load_converted(out / "target", device)
+    abstract = cv.model_module("qwen3").abstract_params(target_cfg, jnp.dtype(dtype))
+    _, _, tree = cv.load_converted(out / "target", jax.tree.map(lambda _: device, abstract))
+    _assert_same(one, tree)
+    assert all(x.sharding == device for x in jax.tree.leaves(tree))
+
+
+def test_load_model_accepts_converted_and_hf_dirs(tmp_path, hf_dirs):
+    target, _ = hf_dirs
+    out = tmp_path / "out"
+    cv.convert(target, out_dir=out, progress=False)
+    assert not (out / "drafter").exists()
+    _, _, converted = cv.load_model(out / "target")
+    _, _, direct = cv.load_model(target)  # config dtype: bfloat16
+    _assert_same(converted, direct)
+    _, _, cast = cv.load_model(out / "target", "float32")
+    _assert_leaves(cast, [np.asarray(x, np.float32) for x in jax.tree.leaves(direct)])
+    with pytest.raises(ValueError, match="a conversion output; pass"):
+        cv.load_model(out)
+    with pytest.raises(ValueError, match="neither a converted model"):
+        cv.load_model(tmp_path)
+
+
+def test_failed_conversion_leaves_out_dir_untouched(tmp_path, hf_dirs):
+    target, drafter = hf_dirs
+    (drafter / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes()[:-10])
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError, match="truncated"):
+        cv.convert(target, drafter, out_dir=fresh, progress=False)
+    assert not fresh.exists()
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("old")
+    with pytest.raises(ValueError, match="overwrite"):
+        cv.convert(target, out_dir=existing, progress=False)
+    with pytest.raises(ValueError, match="truncated"):
+        cv.convert(target, drafter, out_dir=existing, overwrite=True, progress=False)
+    with pytest.raises(ValueError, match="cannot be the drafter"):
+        cv.convert(target, target, out_dir=existing, overwrite=True, progress=False)
+    assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "existing", "target"]
+
+    cv.convert(target, out_dir=existing, overwrite=True, progress=False)
+    assert sorted(p.name for p in existing.iterdir()) == ["target"]
+
+
+def test_cli_end_to_end(tmp_path, hf_dirs, capsys):
+    from dtree_jax.cli import main
+
+    target, drafter = hf_dirs
+    out = tmp_path / "out"
+    argv = ["convert", "--target", str(target), "--drafter", str(drafter), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and "11 keys" in line and "target (qwen3) + drafter (drafter)" in line, line
+    _, _, params = cv.load_converted(out / "drafter")
+    assert jax.tree.leaves(params)[0].dtype == jnp.float32
+    with pytest.raises(ValueError, match="overwrite"):
+        main(argv)
+    assert main([*argv, "--overwrite"]) == 0
+    _, _, params = cv.load_converted(out / "drafter")
+    assert jax.tree.leaves(params)[0].dtype == jnp.bfloat16
