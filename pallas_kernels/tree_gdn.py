@@ -1,0 +1,302 @@
+"""Tree-aware Gated DeltaNet verification: conv windows and recurrent states along parent pointers.
+
+A draft tree of N nodes per request (node 0 = the last committed token, ``parents[0] = -1``, parents before
+children) is verified in one pass without touching the committed conv/recurrent state.  Every node behaves as if
+the chain root -> ... -> node had been appended to the committed sequence:
+
+* ``tree_conv``: node t's conv window is itself, its parent, grandparent, ... continuing into the committed conv
+  state above the root; ``windows[t]`` (the last ``Kc-1`` raw inputs after node t) is the conv state to commit.
+* ``reference_tree_gdn``: sequential oracle, a ``lax.scan`` over nodes with a per-node state table
+  (node t starts from its parent's state, node 0 from the committed state).
+* ``tree_gdn_wy`` (XLA) / ``tree_gdn`` (Pallas, one (request, v-head) per grid point): the parallel tree-WY form.
+  With ``M`` the ancestor-or-self mask and ``G = M g`` the path cumsum of log-decays (per v-head)::
+
+      D[i, j] = exp(G_i - G_j) if j <= i (ancestor-or-self) else 0      (-inf masked before exp; every factor <= 1)
+      A[i, j] = beta_i (k_i . k_j) D[i, j] for proper ancestors j
+      U = (I + A)^-1 [beta (v - exp(G) (K S0))]                          (unit lower-triangular)
+      O = exp(G) (Q S0) + ((Q K^T) * D) U
+
+  and returns a small per-node stash ``(k, u, G, M)`` instead of N states.
+* ``tree_gdn_commit``: the accepted node l's state ``exp(G_l) S0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T``.
+  ``commit_conv`` / ``take_node``: the accepted node's conv window (or state-table row).
+
+Each node reads only its ancestors, so nodes off the accepted path (dead leaves, padding attached anywhere in the
+tree) never change another node's output or the commit, as long as their inputs are finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from dtree_jax.models.gdn import HIGHEST, fp32_einsum, conv_taps, gdn_step, l2norm, normalize_qk, unit_lower_solve
+from dtree_jax.tree import ancestor_mask, check_parents
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeGDNStash:
+    """What the commit needs from a tree-WY verify, per node (O(N * Hv * (dk + dv)) instead of N states)."""
+
+    k: jax.Array  # [B, N, Hv, dk] fp32 l2-normalised keys (on the v-heads)
+    u: jax.Array  # [B, N, Hv, dv] fp32 solved deltas, U = (I + A)^-1 [beta (v - exp(G) K S0)]
+    g_path: jax.Array  # [B, N, Hv] fp32 path cumsum of log-decays, G = M g
+    mask: jax.Array  # [B, N, N] bool ancestor-or-self
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation and gathers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_tree_inputs(q, k, v, g, beta, state0, parents):
+    check_parents(parents)
+    bsz, n, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    if parents.shape != (bsz, n):
+        raise ValueError(f"parents must be {(bsz, n)} to match q {q.shape}, got {parents.shape}")
+    if k.shape != q.shape or v.shape[:2] != (bsz, n):
+        raise ValueError(f"q, k must be [B, N, Hk, dk] and v [B, N, Hv, dv]; got {q.shape}, {k.shape}, {v.shape}")
+    if g.shape != (bsz, n, hv) or beta.shape != (bsz, n, hv):
+        raise ValueError(f"g and beta must be {(bsz, n, hv)}, got {g.shape} and {beta.shape}")
+    if state0.shape != (bsz, hv, dk, dv):
+        raise ValueError(f"state0 must be {(bsz, hv, dk, dv)}, got {state0.shape}")
+    if hv % hk:
+        raise ValueError(f"Hv ({hv}) must be a multiple of Hk ({hk})")
+
+
+def take_node(x: jax.Array, last: jax.Array) -> jax.Array:  # [B, N, ...], [B] -> [B, ...]
+    """``x[b, last[b]]``: the accepted node's row (a conv window, a state-table entry, ...)."""
+    last = jnp.asarray(last, jnp.int32)
+    if last.shape != x.shape[:1]:
+        raise ValueError(f"last must be [B={x.shape[0]}], got {last.shape}")
+    if not isinstance(last, jax.core.Tracer) and (np.any(np.asarray(last) < 0) or np.any(np.asarray(last) >= x.shape[1])):
+        raise ValueError(f"last must index a node in [0, {x.shape[1]}), got {np.asarray(last)}")
+    idx = last.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Conv along ancestors
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tree_conv_sources(parents: jax.Array, kc: int) -> jax.Array:  # [B, N] -> [B, N, Kc] int32
+    """Rows feeding each node's conv window, oldest first, the node itself last.
+
+    ``>= 0``: a tree node; ``< 0``: committed conv state row ``Kc-1 + src`` (-1 = the newest committed input).
+    The walk is ``a_0 = t``, ``a_{j+1} = parents[a_j]`` inside the tree and steps further back above the root.
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    cur = jnp.broadcast_to(jnp.arange(parents.shape[-1], dtype=jnp.int32), parents.shape)
+    srcs = [cur]
+    for _ in range(kc - 1):
+        up = jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=-1)
+        cur = jnp.where(cur > 0, up, jnp.minimum(cur, 0) - 1)  # node 0 -> -1 -> -2 -> ...
+        srcs.append(cur)
+    return jnp.stack(srcs[::-1], axis=-1)
+
+
+def tree_conv(
+    x: jax.Array,  # [B, N, C] raw packed q|k|v projections of the tree nodes
+    w: jax.Array,  # [C, Kc] depthwise weights
+    conv_state: jax.Array,  # [B, Kc-1, C] committed raw inputs, oldest first (read only)
+    parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
+) -> tuple[jax.Array, jax.Array]:  # (y [B, N, C], windows [B, N, Kc-1, C]) in x.dtype
+    """Causal conv1d + SiLU where each node's window runs along its ancestors into the committed conv state.
+
+    ``windows[:, t]`` is the conv state after consuming node t (its ``Kc-1`` most recent inputs along the path,
+    oldest first); ``commit_conv(windows, last)`` commits it.
+    """
+    check_parents(parents)
+    bsz, n, c = x.shape
+    if w.ndim != 2 or w.shape[0] != c:
+        raise ValueError(f"conv weight must be [C={c}, Kc], got {w.shape}")
+    kc = w.shape[1]
+    if conv_state.shape != (bsz, kc - 1, c) or parents.shape != (bsz, n):
+        raise ValueError(f"need conv_state {(bsz, kc - 1, c)} and parents {(bsz, n)}, "
+                         f"got {conv_state.shape} and {parents.shape}")
+    src = tree_conv_sources(parents, kc)  # [B, N, Kc]
+    table = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, Kc-1+N, C]: row Kc-1+src
+    vals = jnp.take_along_axis(table, (src + kc - 1).reshape(bsz, n * kc, 1), axis=1).reshape(bsz, n, kc, c)
+    return conv_taps(vals, w, x.dtype), vals[:, :, 1:]
+
+
+def commit_conv(windows: jax.Array, last: jax.Array) -> jax.Array:  # [B, N, Kc-1, C], [B] -> [B, Kc-1, C]
+    """The new committed conv state: the window after the last accepted node."""
+    return take_node(windows, last)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recurrent state along the tree
+# ----------------------------------------------------------------------------------------------------------
+
+
+def reference_tree_gdn(
+    q: jax.Array,  # [B, N, Hk, dk] raw (post-conv) queries of the tree nodes
+    k: jax.Array,  # [B, N, Hk, dk]
+    v: jax.Array,  # [B, N, Hv, dv]
+    g: jax.Array,  # [B, N, Hv] log-decay
+    beta: jax.Array,  # [B, N, Hv]
+    state0: jax.Array,  # [B, Hv, dk, dv] committed state (read only)
+    parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
+) -> tuple[jax.Array, jax.Array]:  # (o [B, N, Hv, dv] in q.dtype, node_states [B, N, Hv, dk, dv] fp32)
+    """Sequential oracle: node t's state = its parent's state advanced by node t's token (node 0 from ``state0``).
+
+    ``node_states[:, t]`` is the state after node t; ``take_node(node_states, last)`` commits it.
+    """
+    _check_tree_inputs(q, k, v, g, beta, state0, parents)
+    bsz, n = parents.shape
+    qn, kn = normalize_qk(q, k, v.shape[-2])
+    state0 = state0.astype(jnp.float32)
+    parents = jnp.asarray(parents, jnp.int32)
+    rows = jnp.arange(bsz)
+
+    def step(table, xs):  # table [B, N, Hv, dk, dv]
+        t, par, *tok = xs
+        s_in = jnp.where((par >= 0)[:, None, None, None], table[rows, jnp.maximum(par, 0)], state0)
+        s, o = gdn_step(s_in, *tok)
+        return table.at[:, t].set(s), o
+
+    xs = (jnp.arange(n), parents.T) + tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (qn, kn, v, g, beta))
+    table = jnp.zeros((bsz, n) + state0.shape[1:], jnp.float32)
+    table, o = jax.lax.scan(step, table, xs)
+    return jnp.moveaxis(o, 0, 1).astype(q.dtype), table
+
+
+def tree_gdn_wy(
+    q: jax.Array,  # [B, N, Hk, dk] raw (post-conv) queries of the tree nodes
+    k: jax.Array,  # [B, N, Hk, dk]
+    v: jax.Array,  # [B, N, Hv, dv]
+    g: jax.Array,  # [B, N, Hv] log-decay
+    beta: jax.Array,  # [B, N, Hv]
+    state0: jax.Array,  # [B, Hv, dk, dv] committed state (read only)
+    parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
+) -> tuple[jax.Array, TreeGDNStash]:  # (o [B, N, Hv, dv] in q.dtype, stash for tree_gdn_commit)
+    """Parallel tree-WY verify (pure jnp, the XLA path): Gram matrices, one unit-lower-triangular solve."""
+    _check_tree_inputs(q, k, v, g, beta, state0, parents)
+    mask = ancestor_mask(parents)  # [B, N, N]
+    qn, kn = normalize_qk(q, k, v.shape[-2])
+    s0 = state0.astype(jnp.float32)
+    g, beta, v = (x.astype(jnp.float32) for x in (g, beta, v))
+    g_path = jnp.sum(jnp.where(mask[..., None], g[:, None], 0.0), axis=2)  # [B, N, Hv] exact path sums
+    gh = jnp.moveaxis(g_path, 2, 1)  # [B, Hv, N]
+    m = mask[:, None]  # [B, 1, N, N]
+    decay = jnp.exp(jnp.where(m, gh[..., :, None] - gh[..., None, :], -jnp.inf))  # [B, Hv, N, N]
+    proper = m & ~jnp.eye(mask.shape[-1], dtype=bool)
+    bh = jnp.moveaxis(beta, 2, 1)[..., None]  # [B, Hv, N, 1]
+    a = jnp.where(proper, bh * fp32_einsum("bihk,bjhk->bhij", kn, kn) * decay, 0.0)
+    eg = jnp.exp(gh)[..., None]  # [B, Hv, N, 1]
+    rhs = bh * (jnp.moveaxis(v, 2, 1) - eg * fp32_einsum("bnhk,bhkv->bhnv", kn, s0))
+    u = unit_lower_solve(a, rhs)  # [B, Hv, N, dv]
+    o = eg * fp32_einsum("bnhk,bhkv->bhnv", qn, s0) + fp32_einsum("bhij,bhjv->bhiv", fp32_einsum("bihk,bjhk->bhij", qn, kn) * decay, u)
+    stash = TreeGDNStash(k=kn, u=jnp.moveaxis(u, 1, 2), g_path=g_path, mask=mask)
+    return jnp.moveaxis(o, 1, 2).astype(q.dtype), stash
+
+
+def tree_gdn_commit(
+    stash: TreeGDNStash,
+    state0: jax.Array,  # [B, Hv, dk, dv] committed state the verify started from
+    last: jax.Array,  # [B] int32 index of the last accepted node
+) -> jax.Array:  # [B, Hv, dk, dv] fp32
+    """State after the accepted path root -> ... -> last: ``exp(G_l) S0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T``."""
+    on_path = take_node(stash.mask, last)  # [B, N]
+    g_last = take_node(stash.g_path, last)  # [B, Hv]
+    coef = jnp.exp(jnp.where(on_path[..., None], g_last[:, None] - stash.g_path, -jnp.inf))  # [B, N, Hv]
+    fold = fp32_einsum("bnh,bnhk,bnhv->bhkv", coef, stash.k, stash.u)
+    return jnp.exp(g_last)[..., None, None] * state0.astype(jnp.float32) + fold
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernel: tree-WY verify, one (request, v-head) per grid point
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dot(a, b, contract=((1,), (0,))):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _tree_gdn_kernel(q_ref, k_ref, v_ref, gc_ref, gr_ref, b_ref, s_ref, m_ref, o_ref, u_ref, gp_ref):
+    n, dk = q_ref.shape
+    q = l2norm(q_ref[...]) * dk**-0.5  # [N, dk]
+    k = l2norm(k_ref[...])
+    mask = m_ref[...]  # [N, N] f32 0/1 ancestor-or-self
+    g_col = _dot(mask, gc_ref[...].astype(jnp.float32))  # [N, 1] path cumsum
+    g_row = _dot(gr_ref[...].astype(jnp.float32), mask, ((1,), (1,)))  # [1, N]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    on = mask > 0
+    decay = jnp.exp(jnp.where(on, g_col - g_row, -jnp.inf))
+    beta = b_ref[...].astype(jnp.float32)  # [N, 1]
+    neg_a = jnp.where(on & (rows != cols), -beta * _dot(k, k, ((1,), (1,))) * decay, 0.0)  # nilpotent
+    s0 = s_ref[...].astype(jnp.float32)  # [dk, dv]
+    eg = jnp.exp(g_col)
+    u = beta * (v_ref[...].astype(jnp.float32) - eg * _dot(k, s0))
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: exact once 2^m >= N (A^N = 0); the factors commute.
+    power = neg_a
+    for i in range(math.ceil(math.log2(n)) if n > 1 else 0):
+        if i:
+            power = _dot(power, power)
+        u = u + _dot(power, u)
+    o_ref[...] = (eg * _dot(q, s0) + _dot(_dot(q, k, ((1,), (1,))) * decay, u)).astype(o_ref.dtype)
+    u_ref[...] = u
+    gp_ref[...] = g_col
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
+    bsz, n, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    rep = hv // hk
+    heads_first = lambda x: jnp.moveaxis(x, 2, 1)  # [B, N, H, ...] -> [B, H, N, ...]
+    gh, bh = heads_first(g)[..., None], heads_first(beta)[..., None]  # [B, Hv, N, 1]
+    per_qk = pl.BlockSpec((None, None, n, dk), lambda b, h: (b, jax.lax.div(h, rep), 0, 0))  # GVA; lax.div: no sign ops
+    per_v = pl.BlockSpec((None, None, n, dv), lambda b, h: (b, h, 0, 0))
+    col = pl.BlockSpec((None, None, n, 1), lambda b, h: (b, h, 0, 0))
+    row = pl.BlockSpec((None, None, 1, n), lambda b, h: (b, h, 0, 0))
+    o, u, gp = pl.pallas_call(
+        _tree_gdn_kernel,
+        grid=(bsz, hv),
+        in_specs=[
+            per_qk, per_qk, per_v, col, row, col,
+            pl.BlockSpec((None, None, dk, dv), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, n, n), lambda b, h: (b, 0, 0)),
+        ],
+        out_specs=[per_v, per_v, col],
+        out_shape=[
+            jax.ShapeDtypeStruct((bsz, hv, n, dv), q.dtype),
+            jax.ShapeDtypeStruct((bsz, hv, n, dv), jnp.float32),
+            jax.ShapeDtypeStruct((bsz, hv, n, 1), jnp.float32),
+        ],
+        interpret=interpret,
+    )(heads_first(q), heads_first(k), heads_first(v), gh, jnp.swapaxes(gh, -1, -2), bh, state0.astype(jnp.float32),
+      mask.astype(jnp.float32))
+    return heads_first(o), heads_first(u), heads_first(gp)[..., 0]
+
+
+def tree_gdn(
+    q: jax.Array,  # [B, N, Hk, dk] raw (post-conv) queries of the tree nodes
+    k: jax.Array,  # [B, N, Hk, dk]
+    v: jax.Array,  # [B, N, Hv, dv]
+    g: jax.Array,  # [B, N, Hv] log-decay
+    beta: jax.Array,  # [B, N, Hv]
+    state0: jax.Array,  # [B, Hv, dk, dv] committed state (read only)
+    parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, TreeGDNStash]:  # same as tree_gdn_wy
+    """Pallas (TPU-style) tree-WY verify, grid (B, Hv); ``(I + A)^-1`` by nilpotent squaring (matmuls only).
+
+    Same signature and results as ``tree_gdn_wy`` (its oracle, with ``reference_tree_gdn`` behind it).
+    """
+    _check_tree_inputs(q, k, v, g, beta, state0, parents)
+    mask = ancestor_mask(parents)
+    o, u, g_path = _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret)
+    _, kn = normalize_qk(q, k, v.shape[-2])
+    return o, TreeGDNStash(k=kn, u=u, g_path=g_path, mask=mask)
