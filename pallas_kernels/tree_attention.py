@@ -7,8 +7,16 @@ mask of a draft tree, the causal mask for prefill, or all-true for the drafter's
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from dtree_jax import tree
 
 
 def reference_tree_attention(
@@ -39,3 +47,328 @@ def reference_tree_attention(
     probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row with nothing visible yields zeros
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernels
+#
+# Both variants regroup the queries per kv head: row ``r = t * g + j`` of a ``[B, Hkv, R, D]`` block holds
+# query token ``t`` of head ``kv * g + j``, so one K/V tile feeds all ``g`` heads that share it.  The cache is
+# read through the free view ``[B, S, Hkv * D]`` (block ``(block_kv, D)`` at column block ``kv``), never
+# transposed.  The local mask travels as ancestor bits (``dtree_jax.tree.ancestor_bits``: ``W = ceil(T/32)``
+# int32 words per query row, any bool mask works, not only trees); each tile computes its own mask from
+# ``lens`` and those words, so no ``[T, S]`` mask exists anywhere.
+# ----------------------------------------------------------------------------------------------------------
+
+_MASKED = -1e30  # finite, so fully masked rows never produce inf - inf
+_BACKENDS = ("tpu", "gpu", "xla")
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _visible(
+    cols: jax.Array,  # [1, block_kv] int32 absolute cache rows of the tile
+    length: jax.Array,  # [] int32 committed length of this request
+    t: int,  # number of new tokens
+    row_words: list[jax.Array],  # W x [block_q, 1] int32 ancestor-bit words of each query row
+) -> jax.Array:  # [block_q, block_kv] bool
+    """Tile mask: committed rows always visible, new row ``length + s`` iff bit ``s`` of the query's words."""
+    rel = cols - length
+    in_new = (rel >= 0) & (rel < t)
+    rel = jnp.clip(rel, 0, t - 1)
+    word_idx, shift = rel >> 5, rel & 31
+    word = row_words[0]
+    for w in range(1, len(row_words)):
+        word = jnp.where(word_idx == w, row_words[w], word)
+    bit = (word >> shift) & 1
+    return (cols < length) | (in_new & (bit == 1))
+
+
+def _attend(q, k, v, m, l, acc, visible, *, scale, precision):
+    """One online-softmax step over a K/V tile.
+
+    q [bq, D], k/v [bkv, D], m/l [bq, 1] f32 running max/denominator, acc [bq, D] f32, visible [bq, bkv] bool
+    or None (every column visible).  Masked columns contribute exactly zero, so a row that sees nothing
+    keeps ``l == 0``.
+    """
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+    s = s * scale
+    if visible is not None:
+        s = jnp.where(visible, s, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    alpha = jnp.exp(m - m_new)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+    )
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+
+def _precision(dtype):
+    return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if dtype == jnp.float32 else None
+
+
+def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, t, words):
+    """Grid (B, Hkv, q tiles, kv tiles); the kv axis is sequential with the softmax state in VMEM scratch."""
+    b, j = pl.program_id(0), pl.program_id(3)
+    block_kv = k_ref.shape[0]
+    length = lens_ref[b]
+    start = j * block_kv
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        visible = None
+        if masked:
+            cols = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            visible = _visible(cols, length, t, [bits_ref[:, w : w + 1] for w in range(words)])
+        m, l, acc = _attend(
+            q_ref[...], k_ref[...], v_ref[...], m_ref[:, 0:1], l_ref[:, 0:1], acc_ref[...], visible,
+            scale=scale, precision=_precision(q_ref.dtype),
+        )
+        m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l, l_ref.shape)
+        acc_ref[...] = acc
+
+    # Tiles entirely below the committed length need no mask; tiles past length + t are skipped (their
+    # index_map is clamped to the last needed tile, so no new DMA is issued either).
+    pl.when(start + block_kv <= length)(lambda: step(False))
+    pl.when((start + block_kv > length) & (start < length + t))(lambda: step(True))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_ref[:, 0:1]
+        o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, interpret):
+    """qr [B, Hkv, R, D], kf/vf [B, S, Hkv*D], lens [B], bits [B, R, W] int32 -> [B, Hkv, R, D] in qr.dtype."""
+    b, hkv, r, d = qr.shape
+    s, words = kf.shape[1], bits.shape[2]
+
+    def kv_map(bi, h, i, j, lens_ref):
+        last = lax.div(lens_ref[bi] + t - 1, block_kv)  # lax.div: no sign fix-up, operands are >= 0
+        return bi, jnp.minimum(j, last), h
+
+    sq = pl.Squeezed()
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(b, hkv, r // block_q, s // block_kv),
+        in_specs=[
+            pl.BlockSpec((sq, sq, block_q, d), lambda bi, h, i, j, lens_ref: (bi, h, i, 0)),
+            pl.BlockSpec((sq, block_kv, d), kv_map),
+            pl.BlockSpec((sq, block_kv, d), kv_map),
+            pl.BlockSpec((sq, block_q, words), lambda bi, h, i, j, lens_ref: (bi, i, 0)),
+        ],
+        out_specs=pl.BlockSpec((sq, sq, block_q, d), lambda bi, h, i, j, lens_ref: (bi, h, i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((block_q, 128), jnp.float32),
+            pltpu.VMEM((block_q, 128), jnp.float32),
+            pltpu.VMEM((block_q, d), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        functools.partial(_tpu_kernel, scale=scale, t=t, words=words),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qr.shape, qr.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(lens, qr, kf, vf, bits)
+
+
+def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, acc_out, m_out, l_out, *, scale, t, block_kv, splits):
+    """Grid (B, Hkv, q tiles, splits); each program loops over its share of the needed kv tiles."""
+    b, sp = pl.program_id(0), pl.program_id(3)
+    length = lens_ref[b]
+    n_tiles = lax.div(length + t + block_kv - 1, block_kv)
+    per = lax.div(n_tiles + splits - 1, splits)
+    lo = sp * per
+    hi = jnp.minimum(lo + per, n_tiles)
+    n_full = lax.div(length, block_kv)  # tiles entirely below the committed length
+    q = q_ref[...]
+    row_words = [bits_ref[w, :][:, None] for w in range(bits_ref.shape[0])]
+    precision = _precision(q_ref.dtype)
+
+    def body(masked: bool):
+        def fn(j, state):
+            start = pl.multiple_of(j * block_kv, block_kv)
+            k, v = k_ref[pl.ds(start, block_kv), :], v_ref[pl.ds(start, block_kv), :]
+            visible = None
+            if masked:
+                cols = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+                visible = _visible(cols, length, t, row_words)
+            return _attend(q, k, v, *state, visible, scale=scale, precision=precision)
+
+        return fn
+
+    bq, d = q.shape
+    state = (
+        jnp.full((bq, 1), _MASKED, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+        jnp.zeros((bq, d), jnp.float32),
+    )
+    state = lax.fori_loop(lo, jnp.minimum(hi, n_full), body(False), state)
+    m, l, acc = lax.fori_loop(jnp.maximum(lo, n_full), hi, body(True), state)
+    acc_out[...] = acc
+    m_out[...] = m[:, 0]
+    l_out[...] = l[:, 0]
+
+
+def _gpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, splits, num_warps, num_stages, interpret):
+    """qr [B, Hkv, R, D], kf/vf [B, S, Hkv*D], lens [B], bits [B, W, R] int32 -> [B, Hkv, R, D] in qr.dtype.
+
+    Split-K (flash-decoding): ``splits`` programs share each row block's needed kv tiles and emit
+    unnormalised partial results that are merged here in fp32.
+    """
+    b, hkv, r, d = qr.shape
+    s, words = kf.shape[1], bits.shape[1]
+    sq = pl.Squeezed()
+    acc, m, l = pl.pallas_call(
+        functools.partial(_gpu_kernel, scale=scale, t=t, block_kv=block_kv, splits=splits),
+        grid=(b, hkv, r // block_q, splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda bi, h, i, sp: (0,)),
+            pl.BlockSpec((sq, sq, block_q, d), lambda bi, h, i, sp: (bi, h, i, 0)),
+            pl.BlockSpec((sq, s, d), lambda bi, h, i, sp: (bi, 0, h)),
+            pl.BlockSpec((sq, s, d), lambda bi, h, i, sp: (bi, 0, h)),
+            pl.BlockSpec((sq, words, block_q), lambda bi, h, i, sp: (bi, 0, i)),
+        ],
+        out_specs=[
+            pl.BlockSpec((sq, sq, sq, block_q, d), lambda bi, h, i, sp: (bi, h, sp, i, 0)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda bi, h, i, sp: (bi, h, sp, i)),
+            pl.BlockSpec((sq, sq, sq, block_q), lambda bi, h, i, sp: (bi, h, sp, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, splits, r, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, r), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(lens, qr, kf, vf, bits)
+    weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, splits, R]
+    num = jnp.sum(weight[..., None] * acc, axis=2)
+    den = jnp.sum(weight * l, axis=2)[..., None]
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0).astype(qr.dtype)
+
+
+def _check_inputs(q, k, v, lens, local_mask) -> None:
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D] and k [B, S, Hkv, D], got {q.shape} and {k.shape}")
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {k.shape} does not match q {q.shape} in batch or head dim")
+    if h % hkv:
+        raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
+    if tuple(lens.shape) != (b,):
+        raise ValueError(f"lens must have shape ({b},), got {lens.shape}")
+    if tuple(local_mask.shape) != (b, t, t):
+        raise ValueError(f"local_mask must have shape ({b}, {t}, {t}), got {local_mask.shape}")
+    if t > s:
+        raise ValueError(f"{t} new tokens do not fit a cache of {s} rows")
+
+
+def _pick_backend(backend: str | None, interpret) -> str:
+    if backend is None:
+        platform = jax.default_backend()
+        if platform in ("tpu", "gpu"):
+            return platform
+        return "tpu" if interpret else "xla"
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+    return backend
+
+
+def tree_attention(
+    q: jax.Array,  # [B, T, H, D] queries, RoPE applied
+    k: jax.Array,  # [B, S, Hkv, D] key cache (new tokens written at [lens, lens + T))
+    v: jax.Array,  # [B, S, Hkv, D] value cache
+    lens: jax.Array,  # [B] int32 committed length before the T new tokens
+    local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
+    *,
+    scale: float,
+    interpret: bool | pltpu.InterpretParams = False,
+    backend: str | None = None,
+    block_kv: int | None = None,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:  # [B, T, H, D]
+    """Pallas version of ``reference_tree_attention`` (same arguments and result, fp32 accumulation).
+
+    backend: "tpu" (Mosaic: scalar-prefetched ``lens``, sequential kv grid axis, tiles past
+    ``lens + T`` skipped), "gpu" (Pallas Triton backend with split-K over the needed kv tiles), "xla"
+    (``reference_tree_attention``) or None: the default platform's kernel; on CPU the TPU kernel when
+    ``interpret`` is set, else the XLA reference (Pallas cannot run on CPU without interpret mode).
+    interpret: True (fast HLO interpreter, either kernel) or ``pltpu.InterpretParams()`` (TPU semantics).
+    block_kv: kv rows per tile (default 512 on TPU, 64 on GPU; the TPU needs a multiple of 128 unless it
+    covers the whole cache, the GPU a power of two).  block_q: query rows (``T * H / Hkv``) per tile
+    (default: all of them up to 256 on TPU / 128 on GPU).  num_splits, num_warps, num_stages: GPU only.
+    Any T, H, Hkv, D, S work: the wrapper pads rows, D and S as the backend needs and slices the result.
+    Padding D (to a multiple of 128 on TPU when Hkv > 1, to a power of two on GPU) or S (to a multiple of
+    block_kv) copies the cache; production shapes (D = 128, block_kv dividing S) copy nothing.
+    """
+    _check_inputs(q, k, v, lens, local_mask)
+    backend = _pick_backend(backend, interpret)
+    if backend == "xla":
+        return reference_tree_attention(q, k, v, lens, local_mask, scale=scale)
+    if not isinstance(interpret, (bool, pltpu.InterpretParams)):
+        raise ValueError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
+    if backend == "gpu" and isinstance(interpret, pltpu.InterpretParams):
+        raise ValueError("InterpretParams simulates a TPU; use interpret=True for the GPU kernel")
+    for name, val in (("block_kv", block_kv), ("block_q", block_q), ("num_splits", num_splits)):
+        if val is not None and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    rows = t * g
+    bits = lax.bitcast_convert_type(tree.ancestor_bits(local_mask.astype(bool)), jnp.int32)  # [B, T, W]
+    bits = jnp.repeat(bits, g, axis=1)  # [B, T*g, W]: row t*g+j belongs to query t
+    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+
+    if backend == "tpu":
+        block_kv = block_kv or min(512, _round_up(s, 128))
+        block_q = block_q or min(_round_up(rows, 16), 256)
+        dp = d if hkv == 1 or d % 128 == 0 else _round_up(d, 128)
+    else:
+        block_kv = block_kv or 64
+        block_q = block_q or min(max(16, _next_pow2(rows)), 128)
+        dp = max(16, _next_pow2(d))
+    r, sp = _round_up(rows, block_q), _round_up(s, block_kv)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, r - rows), (0, dp - d)))
+    bits = jnp.pad(bits, ((0, 0), (0, r - rows), (0, 0)))
+    if (sp, dp) != (s, d):
+        k = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
+        v = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
+    kf, vf = k.reshape(b, sp, hkv * dp), v.reshape(b, sp, hkv * dp)
+    lens = jnp.asarray(lens, jnp.int32)
+
+    if backend == "tpu":
+        out = _tpu_call(qr, kf, vf, lens, bits, scale=scale, t=t, block_q=block_q, block_kv=block_kv,
+                        interpret=interpret)
+    else:
+        groups = b * hkv * (r // block_q)
+        splits = num_splits or max(1, min(sp // block_kv, 256 // groups))
+        out = _gpu_call(qr, kf, vf, lens, bits.transpose(0, 2, 1), scale=scale, t=t, block_q=block_q,
+                        block_kv=block_kv, splits=splits, num_warps=num_warps or (4 if block_q <= 64 else 8),
+                        num_stages=num_stages, interpret=bool(interpret))
+    out = out[:, :, :rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, h, d)
