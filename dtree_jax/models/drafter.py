@@ -1,0 +1,188 @@
+"""DFlash block drafter with the optional Domino GRU head, functional JAX.
+
+Per round (the drafter's context length always equals the target's committed length ``lens``):
+  1. ``append_context`` projects the target features of the rows committed last round (root + accepted path,
+     or the whole prompt after prefill) with ``hidden_norm(fc(.))`` and writes their K/V (k_proj, k_norm, RoPE at
+     their absolute positions; no per-layer input norm) at ``[ctx_lens, ctx_lens + T)``; the caller then advances
+     ``ctx_lens`` by the number of valid rows;
+  2. ``draft_block`` runs the block ``[root, MASK, ...]`` (embedded with the target's table) at positions
+     ``ctx_lens + arange(block_size)``; block queries attend non-causally to the context and the whole block.
+     The block's K/V are written only into a throw-away copy of the cache (the "crop");
+  3. ``draft_rows`` picks the rows ``ph [B, K, H]`` with ``ph[d]`` predicting the token at depth ``d + 1``;
+     ``path_logits`` gives base (+ Domino-corrected) logits along a given path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dtree_jax.models import qwen3
+from dtree_jax.models.cache import KVCache, init_kv_cache
+from dtree_jax.models.config import DrafterConfig, Qwen3Config
+from dtree_jax.models.domino_head import DominoHead, corrected_logits, gru_run
+from dtree_jax.models.layers import (
+    LayerParams,
+    Leaf,
+    abstract_leaf,
+    decoder_layer,
+    hf_leaf,
+    kv_project,
+    layer_hf_shapes,
+    load_layer,
+    rms_norm,
+    rope_tables,
+    write_rows,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterParams:
+    fc: jax.Array  # [n_feat * H, H]
+    hidden_norm: jax.Array  # [H]
+    layers: tuple[LayerParams, ...]
+    norm: jax.Array  # [H]
+    head: DominoHead | None  # None for a plain DFlash checkpoint
+
+
+def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
+    """``DrafterConfig.from_hf``; ``overrides`` (``dtype``, ``attention_impl``) go to the backbone."""
+    return DrafterConfig.from_hf(d, **overrides)
+
+
+def hf_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint key (bare, no ``model.`` prefix) -> HF shape; the head's keys only when ``has_head``."""
+    m = cfg.model
+    h = m.hidden_size
+    shapes = {"fc.weight": (h, cfg.num_features * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(m.num_layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in layer_hf_shapes(m).items()})
+    if cfg.has_head:
+        g, e = cfg.gru_hidden_dim, cfg.emb_dim
+        shapes.update(
+            {
+                "prefix_gru.weight_ih_l0": (3 * g, h),
+                "prefix_gru.weight_hh_l0": (3 * g, g),
+                "embed_proj.0.weight": (e, h + g),
+                "embed_proj.2.weight": (m.vocab_size, e),
+            }
+        )
+    return shapes
+
+
+def _build(cfg: DrafterConfig, leaf: Leaf) -> DrafterParams:
+    head = None
+    if cfg.has_head:
+        head = DominoHead(
+            w_ih=leaf("prefix_gru.weight_ih_l0", True),
+            w_hh=leaf("prefix_gru.weight_hh_l0", True),
+            w1=leaf("embed_proj.0.weight", True),
+            w2=leaf("embed_proj.2.weight", False),
+        )
+    return DrafterParams(
+        fc=leaf("fc.weight", True),
+        hidden_norm=leaf("hidden_norm.weight", False),
+        layers=tuple(load_layer(leaf, f"layers.{i}.") for i in range(cfg.model.num_layers)),
+        norm=leaf("norm.weight", False),
+        head=head,
+    )
+
+
+def params_from_hf(cfg: DrafterConfig, get: Callable[[str], Any], dtype) -> DrafterParams:
+    """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
+    return _build(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
+
+
+def abstract_params(cfg: DrafterConfig, dtype) -> DrafterParams:
+    """``DrafterParams`` of ``jax.ShapeDtypeStruct``."""
+    return _build(cfg, abstract_leaf(hf_shapes(cfg), dtype))
+
+
+def init_drafter_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
+    """Zero context cache for the draft layers; ``max_len`` must cover the context plus one block."""
+    return init_kv_cache(cfg.model, batch, max_len)
+
+
+def project_context(params: DrafterParams, cfg: DrafterConfig, feats: jax.Array) -> jax.Array:
+    """``hidden_norm(fc(feats))``: ``feats [B, T, n_feat * H]`` (target taps in ``target_layer_ids`` order) ->
+    ``[B, T, H]``."""
+    if feats.shape[-1] != params.fc.shape[0]:
+        raise ValueError(f"feats last dim {feats.shape[-1]} != n_feat * H = {params.fc.shape[0]}")
+    c = feats.astype(cfg.model.dtype) @ params.fc
+    return rms_norm(c, params.hidden_norm, cfg.model.rms_norm_eps)
+
+
+def append_context(
+    params: DrafterParams,
+    cfg: DrafterConfig,
+    cache: KVCache,
+    ctx_lens: jax.Array,  # [B] int32 context rows already in the cache
+    feats: jax.Array,  # [B, T, n_feat * H] target features of the new context rows
+    positions: jax.Array,  # [B, T] int32 absolute positions of those rows
+) -> KVCache:
+    """Writes the new context rows' K/V in every draft layer at ``[ctx_lens, ctx_lens + T)``."""
+    m = cfg.model
+    c = project_context(params, cfg, feats)
+    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta)
+    ks, vs = [], []
+    for i, p in enumerate(params.layers):
+        k, v = kv_project(p, m, c, cos, sin)
+        ks.append(write_rows(cache.k[i], k, ctx_lens))
+        vs.append(write_rows(cache.v[i], v, ctx_lens))
+    return KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def draft_block(
+    params: DrafterParams,
+    cfg: DrafterConfig,
+    target_params: qwen3.Qwen3Params,
+    cache: KVCache,
+    ctx_lens: jax.Array,  # [B] int32 context length (= the target's committed length)
+    root: jax.Array,  # [B] int32 last committed token
+) -> jax.Array:  # [B, block_size, H]
+    """Block hidden states ``ph_full`` (after the final norm) for ``[root, MASK, ..., MASK]``.
+
+    Requires ``ctx_lens + block_size <= cache capacity``; the cache is not modified.
+    """
+    m, bs = cfg.model, cfg.block_size
+    b = root.shape[0]
+    tokens = jnp.concatenate(
+        [root[:, None].astype(jnp.int32), jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1
+    )
+    x = qwen3.embed(target_params, tokens).astype(m.dtype)
+    positions = jnp.asarray(ctx_lens, jnp.int32)[:, None] + jnp.arange(bs, dtype=jnp.int32)
+    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta)
+    everything = jnp.ones((b, bs, bs), bool)
+    for i, p in enumerate(params.layers):
+        x, _, _ = decoder_layer(p, m, x, cos, sin, cache.k[i], cache.v[i], ctx_lens, everything)
+    return rms_norm(x, params.norm, m.rms_norm_eps)
+
+
+def draft_rows(ph_full: jax.Array, cfg: DrafterConfig) -> jax.Array:
+    """``ph [B, K, H]`` with ``ph[d]`` predicting depth ``d + 1``: ``ph_full`` itself with ``shift_label``
+    (K = block_size), else ``ph_full[:, 1:]`` (K = block_size - 1)."""
+    return ph_full if cfg.shift_label else ph_full[:, 1:]
+
+
+def path_logits(
+    params: DrafterParams,
+    cfg: DrafterConfig,
+    target_params: qwen3.Qwen3Params,
+    target_cfg: Qwen3Config,
+    ph: jax.Array,  # [B, K, H] from draft_rows (any K' <= K leading rows)
+    path: jax.Array,  # [B, K] int32 tokens [root, t_1, ..., t_{K-1}] along one path
+) -> jax.Array:  # [B, K, V] fp32
+    """Draft logits for depths ``1..K`` along ``path``: row ``d`` is ``lm_head(ph[d])``, plus for
+    ``d >= pure_draft_prefix_len`` (Domino only) ``W2 . SiLU(W1 . [ph[d] ; s_d])`` with ``s_d`` the GRU state
+    after the target embeddings of ``path[:d + 1]``."""
+    base = qwen3.lm_head(target_params, target_cfg, ph)
+    if params.head is None:
+        return base
+    states = gru_run(params.head, qwen3.embed(target_params, path))  # [B, K, G]
+    corrected = corrected_logits(params.head, base, ph, states)
+    use_head = jnp.arange(ph.shape[1]) >= cfg.pure_draft_prefix_len
+    return jnp.where(use_head[None, :, None], corrected, base)
