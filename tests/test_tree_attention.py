@@ -1,0 +1,166 @@
+"""Pallas tree attention vs the pure-jnp reference (CPU interpret modes) and CPU cross-lowering checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from dtree_jax.tree import ancestor_mask
+from pallas_kernels.tree_attention import reference_tree_attention, tree_attention
+
+
+def random_parents(rng, b, t):
+    return np.stack([np.r_[-1, [rng.integers(0, i) for i in range(1, t)]] for _ in range(b)]).astype(np.int32)
+
+
+def make_case(seed, b, t, h, hkv, d, s, dtype=jnp.float32, mask="tree", lens=None):
+    """Random q/k/v, random lens (lens + t <= s) and a local mask: random trees, causal, full or random bits."""
+    rng = np.random.default_rng(seed)
+    if mask == "tree":
+        local = ancestor_mask(random_parents(rng, b, t))
+    elif mask == "causal":
+        local = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    elif mask == "full":
+        local = jnp.ones((b, t, t), bool)
+    else:  # arbitrary bools, including rows that see no new token
+        local = jnp.asarray(rng.random((b, t, t)) < 0.3)
+    if lens is None:
+        lens = rng.integers(0, s - t + 1, size=b)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in [(b, t, h, d)] + [(b, s, hkv, d)] * 2)
+    return q, k, v, jnp.asarray(lens, jnp.int32), local
+
+
+def run(args, **kw):
+    scale = 1.0 / np.sqrt(args[0].shape[-1])
+    return jax.jit(functools.partial(tree_attention, scale=scale, **kw))(*args)
+
+
+def ref(args):
+    return reference_tree_attention(*args, scale=1.0 / np.sqrt(args[0].shape[-1]))
+
+
+# (b, t, h, hkv, d, s, backend, blocks, mask)
+FP32_CASES = [
+    (2, 17, 4, 2, 32, 300, "tpu", dict(block_kv=128), "tree"),
+    (2, 17, 4, 2, 32, 300, "gpu", dict(block_kv=32), "tree"),
+    (3, 40, 6, 2, 64, 520, "tpu", dict(block_kv=256, block_q=32), "tree"),  # 2 mask words, 3 row tiles
+    (3, 40, 6, 2, 64, 520, "gpu", dict(block_kv=64, block_q=32, num_splits=3), "tree"),
+    (2, 70, 2, 1, 16, 200, "tpu", dict(block_kv=128), "random"),  # 3 words, rows seeing nothing
+    (2, 70, 2, 1, 16, 200, "gpu", dict(block_kv=16, num_splits=4), "random"),
+    (2, 16, 8, 8, 128, 256, "tpu", dict(block_kv=128), "causal"),  # prefill: lens = 0 below
+    (2, 24, 4, 4, 48, 160, "gpu", dict(block_kv=32), "full"),  # drafter block, D padded to 64
+]
+
+
+@pytest.mark.parametrize("b,t,h,hkv,d,s,backend,blocks,mask", FP32_CASES)
+def test_matches_reference_fp32(b, t, h, hkv, d, s, backend, blocks, mask):
+    lens = [0] * b if mask == "causal" else None
+    args = make_case(hash((t, s, backend)) % 1000, b, t, h, hkv, d, s, mask=mask, lens=lens)
+    out = run(args, backend=backend, interpret=True, **blocks)
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref(args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_matches_reference_bf16_edge_lengths(backend):
+    # lens = 0 (prefix empty) and lens = s - t (cache exactly full) in one batch.
+    args = make_case(7, 3, 33, 8, 2, 64, 384, dtype=jnp.bfloat16, lens=[0, 384 - 33, 200])
+    out = run(args, backend=backend, interpret=True, block_kv=128 if backend == "tpu" else 64)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), ref(args).astype(np.float32), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_tiles_past_the_new_tokens_are_skipped(backend):
+    """NaN in whole kv tiles past lens + T must not reach the output (0 * NaN would, if they were read)."""
+    block_kv = 128 if backend == "tpu" else 32
+    q, k, v, lens, local = make_case(3, 2, 9, 4, 2, 32, 640, lens=[10, 300])
+    needed = -(-(np.asarray(lens) + 9) // block_kv) * block_kv  # first row of the first unneeded tile
+    rows = np.arange(640)[None, :, None, None] >= needed[:, None, None, None]
+    clean = ref((q, k, v, lens, local))
+    k, v = jnp.where(rows, jnp.nan, k), jnp.where(rows, jnp.nan, v)
+    out = run((q, k, v, lens, local), backend=backend, interpret=True, block_kv=block_kv)
+    np.testing.assert_allclose(out, clean, atol=2e-5, rtol=2e-5)
+
+
+class TestTpuInterpretParams:
+    """TPU semantics (uninitialised VMEM poisoned with NaN, randomised parallel grid order): tiny sizes."""
+
+    def teardown_method(self):
+        pltpu.reset_tpu_interpret_mode_state()
+
+    @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+    def test_matches_reference(self, dtype, tol):
+        args = make_case(11, 2, 12, 4, 2, 128, 256, dtype=dtype, lens=[0, 150])
+        params = pltpu.InterpretParams(random_seed=3)
+        out = run(args, backend="tpu", interpret=params, block_kv=128, block_q=16)
+        np.testing.assert_allclose(out.astype(np.float32), ref(args).astype(np.float32), atol=tol, rtol=tol)
+
+
+def test_default_backend_on_cpu():
+    args = make_case(5, 1, 8, 2, 1, 16, 64)
+    scale = 0.25
+    np.testing.assert_array_equal(
+        tree_attention(*args, scale=scale), reference_tree_attention(*args, scale=scale)
+    )  # no interpret: the XLA reference
+    np.testing.assert_allclose(tree_attention(*args, scale=scale, interpret=True, block_kv=64),
+                               reference_tree_attention(*args, scale=scale), atol=2e-5, rtol=2e-5)
+
+
+def test_bad_inputs_raise():
+    q, k, v, lens, local = make_case(0, 2, 8, 4, 2, 16, 64)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        tree_attention(q[:, :, :3], k, v, lens, local, scale=1.0)
+    with pytest.raises(ValueError, match="local_mask"):
+        tree_attention(q, k, v, lens, local[:, :4], scale=1.0)
+    with pytest.raises(ValueError, match="lens"):
+        tree_attention(q, k, v, lens[:1], local, scale=1.0)
+    with pytest.raises(ValueError, match="same shape"):
+        tree_attention(q, k, v[:, :32], lens, local, scale=1.0)
+    with pytest.raises(ValueError, match="backend"):
+        tree_attention(q, k, v, lens, local, scale=1.0, backend="cuda")
+    with pytest.raises(ValueError, match="InterpretParams"):
+        tree_attention(q, k, v, lens, local, scale=1.0, backend="gpu", interpret=pltpu.InterpretParams())
+    with pytest.raises(ValueError, match="block_kv"):
+        tree_attention(q, k, v, lens, local, scale=1.0, backend="tpu", interpret=True, block_kv=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cross-lowering on CPU: the real Pallas -> Mosaic / Triton lowering, which enforces block-shape rules.
+# --------------------------------------------------------------------------------------------------------
+
+
+def lower(backend, dtype, b=2, t=32, h=32, hkv=8, d=128, s=4096, **blocks):
+    specs = [
+        jax.ShapeDtypeStruct((b, t, h, d), dtype),
+        jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+        jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
+    ]
+    f = functools.partial(tree_attention, scale=0.088, backend=backend, **blocks)
+    platform = {"tpu": "tpu", "gpu": "cuda"}[backend]
+    return jax.jit(f).trace(*specs).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=1, t=17, h=4, hkv=2, d=32, s=300)])
+def test_tpu_kernel_lowers(dtype, shape):
+    assert "tpu_custom_call" in lower("tpu", dtype, **shape)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=1, t=17, h=4, hkv=2, d=32, s=300)])
+def test_gpu_kernel_lowers(dtype, shape):
+    assert "triton" in lower("gpu", dtype, **shape)
+
+
+def test_cross_lowering_rejects_illegal_blocks():
+    """The checks above can fail: interpret mode accepts these blocks, the backends' lowerings do not."""
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        lower("tpu", jnp.float32, block_q=4)  # a (4, 128) query block on a 128-row array
+    with pytest.raises(ValueError, match="power of 2"):
+        lower("gpu", jnp.float32, block_kv=48)
