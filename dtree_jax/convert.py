@@ -1,15 +1,17 @@
 """HF / PyTorch checkpoints -> dtree_jax params, and orbax save/restore of converted models.
 
 An HF model directory holds ``config.json`` and weights as ``model.safetensors``, a sharded set named by
-``model.safetensors.index.json``, other ``*.safetensors`` files, or PyTorch ``*.bin``/``*.pt`` pickles (only these
-need torch).  The model kind comes from the config (``model_kind``); each kind's module in ``MODEL_MODULES``
-provides ``config_from_hf(d)``, ``hf_shapes(cfg)`` (canonical HF key -> shape), ``params_from_hf(cfg, get, dtype)``
-and ``abstract_params(cfg, dtype)``.  Checkpoint keys are mapped to canonical keys (``canonical_key``), checked
-against ``hf_shapes`` (missing / unexpected / wrong shape, before any tensor is read), then read one tensor at a
-time, so peak host memory is about the converted params plus one tensor.
+``model.safetensors.index.json``, other ``*.safetensors`` files, or PyTorch ``*.bin``/``*.pt`` pickles
+(only these need torch).  The model kind comes from the config (``model_kind``); each kind's module in
+``MODEL_MODULES`` provides ``config_from_hf(d)``, ``hf_shapes(cfg)`` (canonical HF key -> shape),
+``params_from_hf(cfg, get, dtype)`` and ``abstract_params(cfg, dtype)``.  Checkpoint keys are mapped to
+canonical keys (``canonical_key``) and checked against ``hf_shapes`` (missing / unexpected / wrong shape)
+before any tensor is read; tensors are then read one at a time, so peak host memory is about the converted
+params plus one tensor.
 
-``convert`` writes ``out/target/`` and ``out/drafter/``, each with ``config.json``, tokenizer files, ``params/``
-(orbax ``StandardCheckpointer``) and ``dtree_jax.json`` (kind and dtype); ``load_converted`` restores one of them.
+``convert`` writes ``out/target/`` and ``out/drafter/``, each with ``config.json``, tokenizer files,
+``params/`` (orbax ``StandardCheckpointer``) and ``dtree_jax.json`` (kind and dtype); ``load_converted``
+restores one of them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ _NON_WEIGHT_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt")  # Tra
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Config and model kind
 
 
@@ -126,9 +128,10 @@ def _config_from_hf(module: ModuleType, config: dict, config_file: Path) -> Any:
 
 
 def _dtype(dtype: Any, config: dict) -> np.dtype:
-    """``dtype`` (None: the config's ``dtype``/``torch_dtype``, else float32) as one of ``DTYPES``."""
-    if dtype is None:
-        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    """``dtype`` (None: the config's ``dtype``/``torch_dtype``, also under ``text_config``, else float32)."""
+    for d in (config, config.get("text_config") or {}):
+        dtype = dtype or d.get("dtype") or d.get("torch_dtype")
+    dtype = dtype or "float32"
     try:
         resolved = jnp.dtype(dtype)
     except TypeError as e:
@@ -138,7 +141,7 @@ def _dtype(dtype: Any, config: dict) -> np.dtype:
     return resolved
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Checkpoint readers
 
 
@@ -278,7 +281,7 @@ class CheckpointReader:
         self.close()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # HF -> params
 
 
@@ -374,7 +377,8 @@ def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> 
             array = reader.read(raw)
             if array.dtype not in INPUT_DTYPES:
                 raise ValueError(
-                    f"{reader.file(raw)}: key {raw!r} has dtype {array.dtype}; expected bfloat16, float16 or float32"
+                    f"{reader.file(raw)}: key {raw!r} has dtype {array.dtype}; "
+                    "expected bfloat16, float16 or float32"
                 )
             done.add(key)
             nbytes += array.nbytes
@@ -384,21 +388,23 @@ def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> 
         with bar:
             params = model.module.params_from_hf(model.cfg, get, dtype)
     if done != expected.keys():
-        raise RuntimeError(f"{model.module.__name__}.params_from_hf did not read {sorted(expected.keys() - done)}")
+        unread = sorted(expected.keys() - done)
+        raise RuntimeError(f"{model.module.__name__}.params_from_hf did not read {unread}")
     return params, ReadStats(len(done), nbytes, time.perf_counter() - start)
 
 
 def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tuple[str, Any, Any]:
     """Converts an HF model directory in memory: ``(kind, cfg, params)``.
 
-    ``dtype`` (a name or dtype in ``DTYPES``) defaults to the config's ``dtype``/``torch_dtype``, else float32.
+    ``dtype`` (a name or dtype in ``DTYPES``) defaults to the config's ``dtype``/``torch_dtype``, else
+    float32.
     """
     model = HFModel.open(path)
     params, _ = read_params(model, dtype, progress=progress)
     return model.kind, model.cfg, params
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Converted (orbax) directories
 
 
@@ -435,7 +441,8 @@ def convert(
     """Converts HF target (and drafter) directories to ``out_dir/target`` (and ``out_dir/drafter``).
 
     The result is built in a temporary sibling directory and renamed into place, so ``out_dir`` is untouched
-    unless the whole conversion succeeds.  An existing non-empty ``out_dir`` is replaced only with ``overwrite``.
+    unless the whole conversion succeeds.  An existing non-empty ``out_dir`` is replaced only with
+    ``overwrite``.
     Returns a summary: ``{"out", "dtype", "models": {role: kind}, "keys", "bytes", "seconds"}``.
     """
     start = time.perf_counter()
@@ -493,7 +500,9 @@ def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, A
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, abstract)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
     with ocp.StandardCheckpointer() as ckptr, _file_errors(path / PARAMS_DIR, "restore orbax params"):
         params = ckptr.restore(path / PARAMS_DIR, target)
     return meta["kind"], cfg, params
@@ -516,10 +525,12 @@ def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
     roles = [r for r in ("target", "drafter") if (path / r / META_FILE).is_file()]
     if roles:
         raise ValueError(f"{path}: a conversion output; pass {' or '.join(str(path / r) for r in roles)}")
-    raise ValueError(f"{path}: neither a converted model ({META_FILE}) nor an HF model directory (config.json)")
+    raise ValueError(
+        f"{path}: neither a converted model ({META_FILE}) nor an HF model directory (config.json)"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -541,7 +552,9 @@ def _run_cli(args) -> int:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("convert", help="convert HF/PyTorch target (and drafter) checkpoints to dtree_jax (orbax)")
+    p = sub.add_parser(
+        "convert", help="convert HF/PyTorch target (and drafter) checkpoints to dtree_jax (orbax)"
+    )
     p.add_argument("--target", required=True, help="HF target model directory (config.json + weights)")
     p.add_argument("--drafter", help="HF DFlash/Domino drafter directory")
     p.add_argument("--out", required=True, help="output directory (gets target/ and drafter/)")

@@ -1,13 +1,15 @@
 """HF/PyTorch checkpoint conversion (dtree_jax.convert): readers, key normalisation, validation, orbax, CLI.
 
-Most tests use small fake model modules that follow the model-module contract (``config_from_hf``, ``hf_shapes``,
-``params_from_hf``, ``abstract_params``), so the converter is tested independently of the real models.
+Most tests use small fake model modules that follow the model-module contract (``config_from_hf``,
+``hf_shapes``, ``params_from_hf``, ``abstract_params``), so the converter is tested independently of the
+real models; the last tests use the real modules on checkpoints written by transformers / specforge.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -20,8 +22,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from dtree_jax import convert as cv
+from tests import oracles
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Fake model modules
 
 
@@ -65,7 +68,10 @@ def _fake_module(name: str, drafter: bool) -> types.ModuleType:
         )
 
     def hf_shapes(cfg):
-        shapes = {"fc.weight": (cfg.dim, 2 * cfg.dim)} if drafter else {"model.embed_tokens.weight": (cfg.vocab, cfg.dim)}
+        if drafter:
+            shapes = {"fc.weight": (cfg.dim, 2 * cfg.dim)}
+        else:
+            shapes = {"model.embed_tokens.weight": (cfg.vocab, cfg.dim)}
         for i in range(cfg.layers):
             shapes[f"{prefix}layers.{i}.mlp.up_proj.weight"] = (cfg.inter, cfg.dim)
             shapes[f"{prefix}layers.{i}.mlp.down_proj.weight"] = (cfg.dim, cfg.inter)
@@ -100,8 +106,15 @@ def _fake_module(name: str, drafter: bool) -> types.ModuleType:
     return module
 
 
+@pytest.fixture
+def real_models():
+    """Requested by tests that use the real model modules instead of the fakes."""
+
+
 @pytest.fixture(autouse=True)
-def fake_models(monkeypatch):
+def fake_models(request, monkeypatch):
+    if "real_models" in request.fixturenames:
+        return
     for kind in cv.MODEL_MODULES:
         name = f"_fake_dtree_{kind}"
         monkeypatch.setitem(sys.modules, name, _fake_module(name, drafter=kind == "drafter"))
@@ -136,7 +149,7 @@ def _tensors(config: dict, dtype=np.float32, seed: int = 0) -> dict[str, np.ndar
 
 
 def _save(path: Path, tensors: dict[str, np.ndarray], config: dict, fmt: str = "single") -> Path:
-    """Writes an HF-style directory: ``single`` / ``sharded`` (index) / ``glob`` (two unindexed files) / ``bin``."""
+    """Writes an HF-style directory: ``single``, ``sharded`` (index), ``glob`` (two unindexed), ``bin``."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     keys = sorted(tensors)
@@ -149,7 +162,8 @@ def _save(path: Path, tensors: dict[str, np.ndarray], config: dict, fmt: str = "
         for h, part in halves.items():
             save_file(part, str(path / names[h]))
             weight_map.update({k: names[h] for k in part})
-        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
     elif fmt == "glob":
         for h, part in halves.items():
             save_file(part, str(path / f"weights-{h}.safetensors"))
@@ -172,7 +186,7 @@ def _expected(tensors: dict[str, np.ndarray], drafter: bool = False) -> list[np.
     """The fake model's params leaves (in tree order), computed directly in float32."""
     t = {k.removeprefix("model."): np.asarray(v, np.float32) for k, v in tensors.items()}
     n = sum(k.endswith("up_proj.weight") for k in t)
-    layers = [x for i in range(n) for x in (t[f"layers.{i}.mlp.up_proj.weight"].T, t[f"layers.{i}.mlp.down_proj.weight"].T)]
+    layers = [t[f"layers.{i}.mlp.{w}_proj.weight"].T for i in range(n) for w in ("up", "down")]
     if drafter:
         return [t["fc.weight"].T, *layers, t["norm.weight"], t["norm.weight"] + 1]
     head = t["lm_head.weight"].T if "lm_head.weight" in t else t["embed_tokens.weight"].T
@@ -194,7 +208,7 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Readers, dtypes, key normalisation
 
 
@@ -240,7 +254,8 @@ def test_drafter_accepts_prefixed_and_bare_keys(tmp_path):
 
 def test_hybrid_language_model_prefix_and_skipped_keys(tmp_path):
     text = {**TARGET_CONFIG, "model_type": "qwen3_5_text"}
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}
+    config["text_config"] = text
     tensors = _tensors(text, seed=2)
     vl = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
     vl["model.visual.blocks.0.attn.qkv.weight"] = np.ones((3, 2), np.float32)
@@ -260,7 +275,7 @@ def test_tied_checkpoint_with_equal_lm_head_is_accepted(tmp_path):
     _assert_leaves(params, _expected(tensors))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Bad inputs: ValueError naming the file and the key
 
 
@@ -308,7 +323,8 @@ def _corrupt(what):
             (path / "config.json").write_text(json.dumps({**TARGET_CONFIG, "model_type": "llama"}))
             return path / "config.json", "'llama'"
         if what == "projector_type":
-            (path / "config.json").write_text(json.dumps({**DRAFTER_CONFIG, "dflash_config": {"projector_type": "x"}}))
+            config = {**DRAFTER_CONFIG, "dflash_config": {"projector_type": "x"}}
+            (path / "config.json").write_text(json.dumps(config))
             return path / "config.json", "projector_type 'x'"
         if what == "no_weights":
             st.unlink()
@@ -349,7 +365,7 @@ def test_model_kind_detection():
         cv.model_kind({"model_type": "gpt2"}, "cfg.json")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Conversion to orbax and back
 
 
@@ -443,3 +459,50 @@ def test_cli_end_to_end(tmp_path, hf_dirs, capsys):
     assert main([*argv, "--overwrite"]) == 0
     _, _, params = cv.load_converted(out / "drafter")
     assert jax.tree.leaves(params)[0].dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Real model modules on checkpoints written by transformers / the reference drafter packages
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
+    import torch
+
+    from dtree_jax.models import qwen3
+
+    model, _ = oracles.tiny_qwen3(tie, seed=5)
+    single, sharded, binary = tmp_path / "single", tmp_path / "sharded", tmp_path / "bin"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    binary.mkdir()
+    shutil.copy(single / "config.json", binary / "config.json")
+    torch.save(model.state_dict(), binary / "pytorch_model.bin")  # tied: also stores lm_head.weight
+    cfg = qwen3.config_from_hf(cv.read_config(single))
+    want = qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
+    for path in (single, sharded, binary):
+        kind, got_cfg, params = cv.load_hf(path, "float32")
+        assert (kind, got_cfg) == ("qwen3", cfg)
+        _assert_same(params, want)
+    cv.convert(sharded, out_dir=tmp_path / "out", progress=False)
+    kind, got_cfg, restored = cv.load_converted(tmp_path / "out" / "target")
+    assert (kind, got_cfg) == ("qwen3", cfg) and isinstance(restored, qwen3.Qwen3Params)
+    _assert_same(restored, cv.load_hf(single, "bfloat16")[2])
+
+
+def test_real_domino_drafter_checkpoint(tmp_path, real_models):
+    from dtree_jax.models import drafter
+
+    domino, _, _ = oracles.tiny_domino(shift_label=True, seed=6)
+    target, _ = oracles.tiny_qwen3(False, seed=7)
+    domino.save_pretrained(tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "target")
+    cfg = drafter.config_from_hf(cv.read_config(tmp_path / "drafter"))
+    want = drafter.params_from_hf(cfg, oracles.StateGetter(domino), jnp.float32)
+    kind, got_cfg, params = cv.load_hf(tmp_path / "drafter", "float32")
+    assert (kind, got_cfg) == ("drafter", cfg) and cfg.has_head
+    _assert_same(params, want)
+    summary = cv.convert(tmp_path / "target", tmp_path / "drafter", out_dir=tmp_path / "out", dtype="float32")
+    assert summary["models"] == {"target": "qwen3", "drafter": "drafter"}
+    _assert_same(cv.load_converted(tmp_path / "out" / "drafter")[2], want)
