@@ -46,7 +46,13 @@ def tiny_drafter_config_dict(shift_label: bool, head: bool = True) -> dict:
     """A drafter config dict in the released checkpoints' layout (Qwen3Config fields + ``dflash_config``)."""
     dc = dict(mask_token_id=127, target_layer_ids=[0, 2, 3])
     if head:
-        dc.update(projector_type="domino", emb_dim=16, gru_hidden_dim=24, pure_draft_prefix_len=1, shift_label=shift_label)
+        dc.update(
+            projector_type="domino",
+            emb_dim=16,
+            gru_hidden_dim=24,
+            pure_draft_prefix_len=1,
+            shift_label=shift_label,
+        )
     return dict(
         {k: v for k, v in TINY_TARGET.items()},
         num_hidden_layers=2,
@@ -96,7 +102,9 @@ def hf_hidden_and_logits(model, ids: list[int]):
 
 def check_hf_contract(module, cfg, dtype) -> int:
     """Asserts that ``module.params_from_hf`` reads every ``hf_shapes`` key exactly once and yields exactly
-    ``module.abstract_params`` (structure, shapes, dtypes), without materialising weights; returns the key count."""
+    ``module.abstract_params`` (structure, shapes, dtypes) without materialising weights; returns the key
+    count.
+    """
     import jax
     import jax.numpy as jnp
 

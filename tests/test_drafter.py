@@ -1,5 +1,5 @@
-"""DFlash/Domino drafter vs the ``dflash`` package's ``DFlashDraftModel`` (block hidden states) and specforge's
-``DominoDraftModel.apply_logits_head`` (GRU correction), tiny random fp32 models on CPU."""
+"""DFlash/Domino drafter vs the ``dflash`` package's ``DFlashDraftModel`` (block hidden states) and
+specforge's ``DominoDraftModel.apply_logits_head`` (GRU correction), tiny random fp32 models on CPU."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def test_config_from_hf():
     with pytest.raises(ValueError, match="mask_token_id"):
         drafter.config_from_hf(dict(d, dflash_config={"target_layer_ids": [0, 1]}))
     with pytest.raises(ValueError, match="emb_dim"):
-        drafter.config_from_hf(dict(d, dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "projector_type": "domino"}))
+        drafter.config_from_hf(
+            dict(d, dflash_config={"mask_token_id": 1, "target_layer_ids": [0], "projector_type": "domino"})
+        )
     assert hash(cfg)
 
 
@@ -124,9 +126,12 @@ def test_path_logits_match_specforge_head(shift_label):
     with torch.no_grad():
         hs = torch.from_numpy(ph_full)[:, None]
         ref = domino.apply_logits_head(
-            tmodel.lm_head(hs), prev_token_embeddings=tmodel.model.embed_tokens(torch.from_numpy(tokens))[:, None],
+            tmodel.lm_head(hs),
+            prev_token_embeddings=tmodel.model.embed_tokens(torch.from_numpy(tokens))[:, None],
             hidden_states=hs,
-        )[:, 0].numpy()  # [B, bs, V], row r per specforge's slot convention
+        )[
+            :, 0
+        ].numpy()  # [B, bs, V], row r per specforge's slot convention
     ph = drafter.draft_rows(jnp.asarray(ph_full), cfg)
     k = cfg.num_draft_rows
     assert ph.shape == (b, k, tcfg.hidden_size)
@@ -135,8 +140,13 @@ def test_path_logits_match_specforge_head(shift_label):
     np.testing.assert_allclose(out, ref[:, offset:], **TOL)
     # rows before pure_draft_prefix_len are the base logits; later rows really are corrected
     base = np.asarray(qwen3.lm_head(tparams, tcfg, ph))
-    np.testing.assert_allclose(out[:, : cfg.pure_draft_prefix_len], base[:, : cfg.pure_draft_prefix_len], **TOL)
-    assert np.abs(np.asarray(out)[:, cfg.pure_draft_prefix_len :] - base[:, cfg.pure_draft_prefix_len :]).min() > 0
+    np.testing.assert_allclose(
+        out[:, : cfg.pure_draft_prefix_len], base[:, : cfg.pure_draft_prefix_len], **TOL
+    )
+    assert (
+        np.abs(np.asarray(out)[:, cfg.pure_draft_prefix_len :] - base[:, cfg.pure_draft_prefix_len :]).min()
+        > 0
+    )
 
 
 def test_plain_dflash_params_and_logits():
@@ -145,9 +155,13 @@ def test_plain_dflash_params_and_logits():
     cfg = drafter.config_from_hf(d, dtype="float32")
     shapes = drafter.hf_shapes(cfg)
     rng = np.random.default_rng(2)
-    params = drafter.params_from_hf(cfg, lambda k: rng.standard_normal(shapes[k]).astype(np.float32), jnp.float32)
+    params = drafter.params_from_hf(
+        cfg, lambda k: rng.standard_normal(shapes[k]).astype(np.float32), jnp.float32
+    )
     assert params.head is None
-    ph = drafter.draft_rows(jnp.asarray(rng.standard_normal((1, cfg.block_size, tcfg.hidden_size)), jnp.float32), cfg)
+    ph = drafter.draft_rows(
+        jnp.asarray(rng.standard_normal((1, cfg.block_size, tcfg.hidden_size)), jnp.float32), cfg
+    )
     out = drafter.path_logits(params, cfg, tparams, tcfg, ph, jnp.zeros((1, ph.shape[1]), jnp.int32))
     np.testing.assert_allclose(out, qwen3.lm_head(tparams, tcfg, ph), rtol=1e-6)
 
@@ -155,18 +169,39 @@ def test_plain_dflash_params_and_logits():
 def _real_drafter(hidden, inter, vocab, n_target, ids, mask, theta, shift, head=True):
     dc = dict(mask_token_id=mask, target_layer_ids=ids)
     if head:
-        dc.update(projector_type="domino", pure_draft_prefix_len=1, emb_dim=256, gru_hidden_dim=1024, shift_label=shift)
+        dc.update(
+            projector_type="domino",
+            pure_draft_prefix_len=1,
+            emb_dim=256,
+            gru_hidden_dim=1024,
+            shift_label=shift,
+        )
     return dict(
-        architectures=["DFlashDraftModel"], hidden_size=hidden, intermediate_size=inter, num_hidden_layers=5,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=theta,
-        rope_scaling=None, vocab_size=vocab, tie_word_embeddings=False, max_position_embeddings=40960,
-        layer_types=["full_attention"] * 5, block_size=16, num_target_layers=n_target,
-        **({"emb_dim": 256} if head else {}), dflash_config=dc,
+        architectures=["DFlashDraftModel"],
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=theta,
+        rope_scaling=None,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        layer_types=["full_attention"] * 5,
+        block_size=16,
+        num_target_layers=n_target,
+        **({"emb_dim": 256} if head else {}),
+        dflash_config=dc,
     )
 
 
 REAL_DRAFTERS = {  # domino-dflash-ddtree.md §1.1 / §2.1 / §3.2
-    "Qwen3-4B-DFlash-b16": _real_drafter(2560, 9728, 151936, 36, [1, 9, 17, 25, 33], 151669, 1e6, None, head=False),
+    "Qwen3-4B-DFlash-b16": _real_drafter(
+        2560, 9728, 151936, 36, [1, 9, 17, 25, 33], 151669, 1e6, None, head=False
+    ),
     "Qwen3-8B-Domino-b16": _real_drafter(4096, 12288, 151936, 36, [1, 9, 17, 25, 33], 151669, 1e6, True),
     "Qwen3.6-27B-Domino": _real_drafter(5120, 17408, 248320, 64, [1, 16, 31, 46, 61], 248070, 1e7, False),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -62,7 +63,9 @@ def test_config_from_hf_forms():
     with pytest.raises(ValueError, match="attention_impl"):
         qwen3.config_from_hf(dict(base, rope_theta=theta), attention_impl="cuda")
     with pytest.raises(ValueError, match="rope_type"):
-        qwen3.config_from_hf(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": 4.0}))
+        qwen3.config_from_hf(
+            dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": 4.0})
+        )
     with pytest.raises(ValueError, match="rope_theta"):
         qwen3.config_from_hf(base)
 
@@ -94,8 +97,14 @@ def test_prefill_and_decode_match_hf(tie):
     for step in range(2):
         nxt = rng.integers(0, cfg.vocab_size, 2)
         logits, feats, cache = forward(
-            params, cfg, jnp.asarray(nxt[:, None], jnp.int32), lens[:, None], cache, lens,
-            jnp.ones((2, 1, 1), bool), TAPS,
+            params,
+            cfg,
+            jnp.asarray(nxt[:, None], jnp.int32),
+            lens[:, None],
+            cache,
+            lens,
+            jnp.ones((2, 1, 1), bool),
+            TAPS,
         )
         for b in range(2):
             prompts[b].append(int(nxt[b]))
@@ -139,12 +148,14 @@ def test_tree_verify_matches_hf_paths(tie):
 
 def test_bf16_forward_close_to_fp32():
     _, cfg, params, _ = _tiny(False)
-    cfg16 = Qwen3Config(**{**cfg.__dict__, "dtype": "bfloat16"})
+    cfg16 = dataclasses.replace(cfg, dtype="bfloat16")
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 8)), jnp.int32)
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     args = (toks, pos)
-    ref, _, _ = forward(params, cfg, *args, qwen3.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8))
+    ref, _, _ = forward(
+        params, cfg, *args, qwen3.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8)
+    )
     out, feats, cache = forward(
         params16, cfg16, *args, qwen3.init_cache(cfg16, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8), (1,)
     )
@@ -161,8 +172,15 @@ def test_forward_rejects_bad_inputs():
     with pytest.raises(ValueError, match="shapes"):
         qwen3.forward(params, cfg, toks, pos, cache, lens, _causal(1, 2))
     with pytest.raises(ValueError, match="fit"):
-        qwen3.forward(params, cfg, jnp.zeros((1, 5), jnp.int32), jnp.zeros((1, 5), jnp.int32), cache, lens,
-                      _causal(1, 5))
+        qwen3.forward(
+            params,
+            cfg,
+            jnp.zeros((1, 5), jnp.int32),
+            jnp.zeros((1, 5), jnp.int32),
+            cache,
+            lens,
+            _causal(1, 5),
+        )
     with pytest.raises(ValueError, match="HF shape"):
         qwen3.params_from_hf(cfg, lambda k: np.zeros((3,), np.float32), jnp.float32)
 
@@ -173,7 +191,7 @@ def test_pallas_dispatch_matches_xla():
     if not hasattr(ta, "tree_attention"):
         pytest.skip("pallas_kernels.tree_attention.tree_attention not written yet (another helper's file)")
     _, cfg, params, _ = _tiny(False)
-    cfg_p = Qwen3Config(**{**cfg.__dict__, "attention_impl": "pallas"})
+    cfg_p = dataclasses.replace(cfg, attention_impl="pallas")
     toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
     lens = jnp.zeros(2, jnp.int32)
@@ -191,9 +209,20 @@ QWEN3_REAL = {  # qwen-targets.md §1.2 (config.json fields as on the hub: top-l
 @pytest.mark.parametrize("name", sorted(QWEN3_REAL))
 def test_real_config_shapes(name):
     d = dict(
-        QWEN3_REAL[name], vocab_size=151936, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000, rope_scaling=None, max_position_embeddings=40960,
-        hidden_act="silu", attention_bias=False, use_sliding_window=False, model_type="qwen3",
+        QWEN3_REAL[name],
+        vocab_size=151936,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000,
+        rope_scaling=None,
+        max_position_embeddings=40960,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        model_type="qwen3",
     )
     cfg = qwen3.config_from_hf(d)
     n = oracles.check_hf_contract(qwen3, cfg, jnp.bfloat16)

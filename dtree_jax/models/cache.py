@@ -1,7 +1,7 @@
 """Per-layer attention K/V cache shared by the target and the drafter.
 
-Lengths are not stored here: callers carry ``lens [B]`` (rows committed per request) and advance it themselves,
-so dropping rows ("crop") is just not advancing ``lens`` over them.
+Lengths are not stored here: callers carry ``lens [B]`` (rows committed per request) and advance it
+themselves, so dropping rows ("crop") is just not advancing ``lens`` over them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class KVCache:
 
 
 def init_kv_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
-    """Zero cache for ``cfg.num_layers`` layers with room for ``max_len`` rows per request, dtype ``cfg.dtype``."""
+    """Zero cache for ``cfg.num_layers`` layers, ``max_len`` rows per request, dtype ``cfg.dtype``."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)

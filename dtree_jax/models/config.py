@@ -1,4 +1,4 @@
-"""Static, hashable model configs built from HF ``config.json`` dicts (pass them straight into jitted code)."""
+"""Static, hashable model configs built from HF ``config.json`` dicts (pass them to jitted code as is)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _require(d: Mapping[str, Any], key: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """A Qwen3-style dense decoder (the target, or the drafter's backbone with ``num_layers`` draft layers)."""
+    """A Qwen3-style dense decoder (the target, or the drafter's backbone with its draft layers)."""
 
     vocab_size: int
     hidden_size: int
@@ -50,7 +50,9 @@ class Qwen3Config:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -105,7 +107,9 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.projector_type is not None and self.projector_type not in HEAD_PROJECTORS:
-            raise ValueError(f"unknown projector_type {self.projector_type!r}; expected one of {HEAD_PROJECTORS}")
+            raise ValueError(
+                f"unknown projector_type {self.projector_type!r}; expected one of {HEAD_PROJECTORS}"
+            )
         if self.has_head and (self.emb_dim is None or self.gru_hidden_dim is None):
             raise ValueError("a Domino head needs emb_dim and gru_hidden_dim")
         if self.block_size < 2:
@@ -125,7 +129,7 @@ class DrafterConfig:
 
     @property
     def num_draft_rows(self) -> int:
-        """K, the number of drafted slots (max tree depth): block_size with shift_label, else block_size - 1."""
+        """K, the drafted slots (max tree depth): block_size with shift_label, else block_size - 1."""
         return self.block_size if self.shift_label else self.block_size - 1
 
     @classmethod

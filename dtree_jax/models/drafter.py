@@ -2,9 +2,9 @@
 
 Per round (the drafter's context length always equals the target's committed length ``lens``):
   1. ``append_context`` projects the target features of the rows committed last round (root + accepted path,
-     or the whole prompt after prefill) with ``hidden_norm(fc(.))`` and writes their K/V (k_proj, k_norm, RoPE at
-     their absolute positions; no per-layer input norm) at ``[ctx_lens, ctx_lens + T)``; the caller then advances
-     ``ctx_lens`` by the number of valid rows;
+     or the whole prompt after prefill) with ``hidden_norm(fc(.))`` and writes their K/V (k_proj, k_norm,
+     RoPE at their absolute positions; no per-layer input norm) at ``[ctx_lens, ctx_lens + T)``; the caller
+     then advances ``ctx_lens`` by the number of valid rows;
   2. ``draft_block`` runs the block ``[root, MASK, ...]`` (embedded with the target's table) at positions
      ``ctx_lens + arange(block_size)``; block queries attend non-causally to the context and the whole block.
      The block's K/V are written only into a throw-away copy of the cache (the "crop");
@@ -55,7 +55,7 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
 
 
 def hf_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint key (bare, no ``model.`` prefix) -> HF shape; the head's keys only when ``has_head``."""
+    """Every checkpoint key (bare, no ``model.`` prefix) -> HF shape; head keys only when ``has_head``."""
     m = cfg.model
     h = m.hidden_size
     shapes = {"fc.weight": (h, cfg.num_features * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}

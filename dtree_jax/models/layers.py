@@ -1,7 +1,7 @@
 """Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, the decoder layer.
 
-Linear weights are stored ``[in, out]``.  Attention writes the T new tokens' K/V into a per-layer cache at rows
-``[lens, lens + T)`` of each request and attends with the tree-attention semantics of
+Linear weights are stored ``[in, out]``.  Attention writes the T new tokens' K/V into a per-layer cache at
+rows ``[lens, lens + T)`` of each request and attends with the tree-attention semantics of
 ``pallas_kernels.tree_attention`` (prefix rows ``< lens`` plus ``local_mask`` among the new tokens).
 """
 
@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from dtree_jax.models.config import Qwen3Config
 from pallas_kernels.tree_attention import reference_tree_attention
-
 
 Leaf = Callable[[str, bool], Any]  # (hf_key, transpose) -> array or ShapeDtypeStruct
 
@@ -36,8 +35,8 @@ class LayerParams:
     w_down: jax.Array  # [I, H]
 
 
-# HF names of one decoder layer's tensors (relative to ``{prefix}layers.{i}.``), LayerParams field, and whether
-# the HF tensor is an ``[out, in]`` Linear weight that must be transposed.
+# HF names of one decoder layer's tensors (relative to ``{prefix}layers.{i}.``), LayerParams field, and
+# whether the HF tensor is an ``[out, in]`` Linear weight that must be transposed.
 LAYER_KEYS = (
     ("input_layernorm.weight", "attn_norm", False),
     ("self_attn.q_proj.weight", "wq", True),
@@ -78,8 +77,8 @@ def load_layer(leaf: Leaf, prefix: str) -> LayerParams:
 
 
 def hf_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype) -> Leaf:
-    """A ``leaf`` that reads one HF tensor with ``get(key)``, checks its shape, transposes ``[out, in]`` Linear
-    weights to ``[in, out]`` and casts at once (peak memory: the output plus one tensor)."""
+    """A ``leaf`` that reads one HF tensor with ``get(key)``, checks its shape, transposes ``[out, in]``
+    Linear weights to ``[in, out]`` and casts at once (peak memory: the output plus one tensor)."""
 
     def leaf(key: str, transpose: bool) -> jax.Array:
         x = get(key)
@@ -96,14 +95,14 @@ def abstract_leaf(shapes: dict[str, tuple[int, ...]], dtype) -> Leaf:
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """HF Qwen3RMSNorm: normalise in fp32, cast back to ``x.dtype``, then multiply by the plain weight ``w``."""
+    """HF Qwen3RMSNorm: normalise in fp32, cast back to ``x.dtype``, multiply by the plain weight ``w``."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w * y.astype(x.dtype)).astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """``positions [...]`` -> ``cos, sin [..., rotary_dim]`` (fp32; frequencies duplicated as ``cat(f, f)``)."""
+    """``positions [...]`` -> ``cos, sin [..., rotary_dim]`` (fp32; frequencies as ``cat(f, f)``)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -143,7 +142,10 @@ def kv_project(
 
 
 def write_rows(cache: jax.Array, new: jax.Array, lens: jax.Array) -> jax.Array:
-    """Writes ``new [B, T, ...]`` into ``cache [B, S, ...]`` at rows ``[lens[b], lens[b] + T)`` of each request."""
+    """Writes ``new [B, T, ...]`` into ``cache [B, S, ...]`` at rows ``[lens, lens + T)`` of each request.
+
+    Needs ``lens + T <= S``: beyond that ``dynamic_update_slice`` clamps the start and overwrites earlier rows.
+    """
     new = new.astype(cache.dtype)
     return jax.vmap(lambda c, n, l: jax.lax.dynamic_update_slice_in_dim(c, n, l, axis=0))(
         cache, new, jnp.asarray(lens, jnp.int32)
@@ -163,7 +165,9 @@ def attend(
     if cfg.attention_impl == "pallas":
         from pallas_kernels.tree_attention import tree_attention
 
-        return tree_attention(q, k, v, lens, local_mask, scale=scale, interpret=jax.default_backend() == "cpu")
+        return tree_attention(
+            q, k, v, lens, local_mask, scale=scale, interpret=jax.default_backend() == "cpu"
+        )
     return reference_tree_attention(q, k, v, lens, local_mask, scale=scale)
 
 

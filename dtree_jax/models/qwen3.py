@@ -5,8 +5,8 @@ One ``forward`` serves every phase; the caller picks positions, ``lens`` and the
     are written but harmless: the caller's ``lens`` never covers them);
   * tree verify: ``positions = lens + depth``, ``local_mask`` = ancestor-or-self mask of the tree;
   * decode: ``T = 1``.
-The T new tokens' K/V are written at rows ``[lens, lens + T)``; advancing ``lens`` (after compacting the accepted
-path) is the caller's job.
+The T new tokens' K/V are written at rows ``[lens, lens + T)``; advancing ``lens`` (after compacting the
+accepted path) is the caller's job.
 """
 
 from __future__ import annotations
