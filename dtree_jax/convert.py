@@ -119,10 +119,13 @@ def canonical_key(kind: str, key: str) -> str | None:
     return key
 
 
-def _config_from_hf(module: ModuleType, config: dict, config_file: Path) -> Any:
-    """``module.config_from_hf(config)`` with its errors (e.g. an unknown projector_type) naming the file."""
+def _config_from_hf(module: ModuleType, config: dict, config_file: Path, dtype: Any = None) -> Any:
+    """``module.config_from_hf(config)`` with its errors (e.g. an unknown projector_type) naming the file;
+    ``dtype`` sets the compute dtype, which always matches the params' dtype."""
     try:
-        return module.config_from_hf(config)
+        if dtype is None:
+            return module.config_from_hf(config)
+        return module.config_from_hf(config, dtype=np.dtype(dtype).name)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{config_file}: {type(e).__name__}: {e}") from e
 
@@ -401,7 +404,8 @@ def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tu
     """
     model = HFModel.open(path)
     params, _ = read_params(model, dtype, progress=progress)
-    return model.kind, model.cfg, params
+    dtype = _dtype(dtype, model.config)
+    return model.kind, _config_from_hf(model.module, model.config, model.path / "config.json", dtype), params
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -494,7 +498,7 @@ def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, A
     path = Path(path).absolute()
     meta = _read_meta(path)
     module = model_module(meta["kind"])
-    cfg = _config_from_hf(module, read_config(path), path / "config.json")
+    cfg = _config_from_hf(module, read_config(path), path / "config.json", meta["dtype"])
     abstract = module.abstract_params(cfg, jnp.dtype(meta["dtype"]))
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -517,8 +521,10 @@ def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
     if (path / META_FILE).is_file():
         kind, cfg, params = load_converted(path)
         if dtype is not None:
-            abstract = model_module(kind).abstract_params(cfg, _dtype(dtype, {}))
+            module = model_module(kind)
+            abstract = module.abstract_params(cfg, _dtype(dtype, {}))
             params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
+            cfg = _config_from_hf(module, read_config(path), path / "config.json", _dtype(dtype, {}))
         return kind, cfg, params
     if (path / "config.json").is_file():
         return load_hf(path, dtype)

@@ -57,7 +57,7 @@ class FakeParams:
 def _fake_module(name: str, drafter: bool) -> types.ModuleType:
     prefix = "" if drafter else "model."
 
-    def config_from_hf(d):
+    def config_from_hf(d, **overrides):  # overrides: dtype (unused by the fake)
         projector = d.get("dflash_config", {}).get("projector_type", "domino")
         if projector not in ("domino", "causal_v5"):
             raise ValueError(f"unknown projector_type {projector!r}")
