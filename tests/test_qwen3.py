@@ -59,6 +59,7 @@ def test_config_from_hf_forms():
     assert legacy.rope_theta == new.rope_theta == theta
     assert legacy.head_dim == 32 and legacy.tie_word_embeddings and not new.tie_word_embeddings
     assert (legacy.dtype, legacy.attention_impl) == ("bfloat16", "xla")
+    assert qwen3.config_from_hf(dict(base, rope_theta=theta), dtype=jnp.float32).dtype == "float32"
     assert hash(qwen3.config_from_hf(dict(base, rope_theta=theta), dtype="float32", attention_impl="pallas"))
     with pytest.raises(ValueError, match="attention_impl"):
         qwen3.config_from_hf(dict(base, rope_theta=theta), attention_impl="cuda")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax.numpy as jnp
+
 ATTENTION_IMPLS = ("xla", "pallas")
 HEAD_PROJECTORS = ("domino", "causal_v5")  # "causal_v5" is the legacy name of the Domino head
 
@@ -47,6 +49,7 @@ class Qwen3Config:
     attention_impl: str = "xla"  # "xla" (reference_tree_attention) or "pallas"
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)  # accept jnp.bfloat16, np.dtype, "float32"
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.num_heads % self.num_kv_heads:
