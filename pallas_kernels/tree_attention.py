@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from dtree_jax import tree
 
@@ -232,6 +231,8 @@ def _gpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, splits, nu
     Split-K (flash-decoding): ``splits`` programs share each row block's needed kv tiles and emit
     unnormalised partial results that are merged here in fp32.
     """
+    from jax.experimental.pallas import triton as pltriton  # deprecated in jax 0.11: imported only when used
+
     b, hkv, r, d = qr.shape
     s, words = kf.shape[1], bits.shape[1]
     sq = pl.Squeezed()

@@ -147,13 +147,13 @@ def lower(backend, dtype, b=2, t=32, h=32, hkv=8, d=128, s=4096, **blocks):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=1, t=17, h=4, hkv=2, d=32, s=300)])
+@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=3, t=17, h=4, hkv=2, d=32, s=300)])
 def test_tpu_kernel_lowers(dtype, shape):
     assert "tpu_custom_call" in lower("tpu", dtype, **shape)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=1, t=17, h=4, hkv=2, d=32, s=300)])
+@pytest.mark.parametrize("shape", [dict(), dict(b=8, t=64, s=32768), dict(b=3, t=17, h=4, hkv=2, d=32, s=300)])
 def test_gpu_kernel_lowers(dtype, shape):
     assert "triton" in lower("gpu", dtype, **shape)
 
