@@ -1,0 +1,139 @@
+"""One entry point per drafting method; every method is a scorer plus a builder.
+
+=============  ==========================================  =========================
+method         scorer                                      builder
+=============  ==========================================  =========================
+``dflash``     marginal (argmax of base per depth), k = 1  greedy chain (K + 1 nodes)
+``domino``     Domino conditional (§2.4), k = 1            greedy chain (K + 1 nodes)
+``ddtree``     marginal top-k (DDTree)                     best-first, ``budget`` nodes
+``dominotree`` Domino conditional, top-M restricted        best-first, ``budget`` nodes
+``condstatic`` Domino correction along the greedy chain,   best-first, ``budget`` nodes
+               shared per depth (§4.8 ablation)
+=============  ==========================================  =========================
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dtree_jax.build.frontier import frontier_tree
+from dtree_jax.build.heap import heap_tree
+from dtree_jax.build.scorers import DraftRound, chain_menus, condstatic_scorer, domino_scorer, marginal_scorer
+from dtree_jax.models.domino_head import DominoHead
+from dtree_jax.tree import Tree, chain_tree
+
+CHAIN_METHODS = ("dflash", "domino")
+TREE_METHODS = ("ddtree", "dominotree", "condstatic")
+METHODS = CHAIN_METHODS + TREE_METHODS
+BUILDERS = ("frontier", "heap")
+
+
+def make_scorer(method: str, rnd: DraftRound, head: DominoHead | None, embed: jax.Array | None, *, k: int, M: int, P: int):
+    """The method's scorer for this round (no validation; see ``build_tree``)."""
+    if method in ("dflash", "ddtree"):
+        return marginal_scorer(rnd, k=k)
+    if method in ("domino", "dominotree"):
+        return domino_scorer(rnd, head, embed, k=k, M=M, P=P)
+    return condstatic_scorer(rnd, head, embed, k=k, M=M, P=P)
+
+
+def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
+    """The scorer's greedy chain as a ``Tree`` of ``min(max_depth, K) + 1`` nodes, scores cumulative."""
+    menus = chain_menus(scorer, max_depth)
+    lp = menus.logprobs[:, :, 0]
+    zero = jnp.zeros((lp.shape[0], 1), jnp.float32)
+    tokens = jnp.concatenate([jnp.asarray(root, jnp.int32)[:, None], menus.tokens[:, :, 0]], axis=-1)
+    return chain_tree(tokens, jnp.concatenate([zero, jnp.cumsum(lp, axis=-1)], axis=-1))
+
+
+@functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "P", "max_depth", "mask_token_id"))
+def _build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
+    if method in CHAIN_METHODS:
+        return chain_draft(make_scorer(method, rnd, head, embed, k=1, M=M, P=P), rnd.root, max_depth=max_depth)
+    scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+    return frontier_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
+
+
+_make_scorer = jax.jit(make_scorer, static_argnames=("method", "k", "M", "P"))
+
+
+def build_tree(
+    method: str,
+    rnd: DraftRound,
+    head: DominoHead | None = None,
+    embed: jax.Array | None = None,  # [V, H]
+    *,
+    budget: int = 16,
+    k: int = 8,
+    M: int = 64,
+    P: int = 1,
+    max_depth: int | None = None,
+    mask_token_id: int | None = None,
+    builder: str = "frontier",
+) -> Tree:
+    """Draft tree of one round for every request.
+
+    ``budget``: non-root nodes (trees have ``budget + 1`` nodes; chains ``min(max_depth, K) + 1`` and ignore
+    ``budget``, ``k`` and ``builder``); ``k``: children per node (clamped to ``M`` when ``M > 0``); ``M``:
+    correction candidates (0 = full vocabulary); ``P``: pure-draft prefix length (uncorrected depths);
+    ``max_depth``: ledger depths used (default K); ``mask_token_id``: dead-leaf token (tree methods).
+    ``builder``: ``"frontier"`` (one jit, batched, no host syncs) or ``"heap"`` (host reference, same tree on
+    tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
+    Callable inside ``jax.jit`` with the frontier builder (all checks are on shapes and Python values).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if builder not in BUILDERS:
+        raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
+    b, depth, vocab = _check_round(rnd, head, embed, needs_head=method not in ("dflash", "ddtree"))
+    max_depth = depth if max_depth is None else max_depth
+    for name, value, low in (("budget", budget, 1), ("k", k, 1), ("max_depth", max_depth, 1), ("M", M, 0), ("P", P, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if M > vocab:
+        raise ValueError(f"M = {M} exceeds the vocabulary size {vocab}")
+    k = min(k, M) if M > 0 else k
+    if k > vocab:
+        raise ValueError(f"k = {k} exceeds the vocabulary size {vocab}")
+    if method in TREE_METHODS:
+        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
+            raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
+    else:
+        mask_token_id = None
+    if builder == "heap" and method in TREE_METHODS:
+        scorer = _make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+        return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
+    return _build(
+        method, rnd, head, embed, budget=budget, k=k, M=M, P=P, max_depth=max_depth, mask_token_id=mask_token_id
+    )
+
+
+def _check_round(rnd: DraftRound, head, embed, *, needs_head: bool) -> tuple[int, int, int]:
+    """Validates shapes; returns (B, K, V)."""
+    ph, base = jnp.shape(rnd.ph), jnp.shape(rnd.base)
+    if len(ph) != 3 or len(base) != 3 or ph[:2] != base[:2]:
+        raise ValueError(f"need ph [B, K, H] and base [B, K, V] with matching B, K; got ph {ph}, base {base}")
+    b, depth, hidden = ph
+    vocab = base[2]
+    if depth < 1 or vocab < 1:
+        raise ValueError(f"need K >= 1 draft rows and a non-empty vocabulary; got ph {ph}, base {base}")
+    if jnp.shape(rnd.root) != (b,):
+        raise ValueError(f"root must be [B] = [{b}], got {jnp.shape(rnd.root)}")
+    if not needs_head:
+        return b, depth, vocab
+    if head is None or embed is None:
+        raise ValueError("the Domino methods need the DominoHead and the target embedding table")
+    g = head.gru_dim
+    if jnp.shape(embed) != (vocab, hidden):
+        raise ValueError(f"embed must be [V, H] = [{vocab}, {hidden}], got {jnp.shape(embed)}")
+    if head.hidden_dim != hidden or jnp.shape(head.w2)[0] != vocab or jnp.shape(head.w1)[0] != hidden + g:
+        raise ValueError(
+            f"DominoHead does not fit H = {hidden}, V = {vocab}: w_ih {jnp.shape(head.w_ih)}, "
+            f"w1 {jnp.shape(head.w1)}, w2 {jnp.shape(head.w2)}"
+        )
+    if jnp.shape(rnd.root_state) != (b, g):
+        raise ValueError(f"root_state must be [B, G] = [{b}, {g}], got {jnp.shape(rnd.root_state)}")
+    return b, depth, vocab
