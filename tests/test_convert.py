@@ -479,7 +479,7 @@ def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
     binary.mkdir()
     shutil.copy(single / "config.json", binary / "config.json")
     torch.save(model.state_dict(), binary / "pytorch_model.bin")  # tied: also stores lm_head.weight
-    cfg = qwen3.config_from_hf(cv.read_config(single))
+    cfg = qwen3.config_from_hf(cv.read_config(single), dtype="float32")
     want = qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
     for path in (single, sharded, binary):
         kind, got_cfg, params = cv.load_hf(path, "float32")
@@ -487,7 +487,7 @@ def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
         _assert_same(params, want)
     cv.convert(sharded, out_dir=tmp_path / "out", progress=False)
     kind, got_cfg, restored = cv.load_converted(tmp_path / "out" / "target")
-    assert (kind, got_cfg) == ("qwen3", cfg) and isinstance(restored, qwen3.Qwen3Params)
+    assert (kind, got_cfg) == ("qwen3", dataclasses.replace(cfg, dtype="bfloat16")) and isinstance(restored, qwen3.Qwen3Params)
     _assert_same(restored, cv.load_hf(single, "bfloat16")[2])
 
 
@@ -498,7 +498,7 @@ def test_real_domino_drafter_checkpoint(tmp_path, real_models):
     target, _ = oracles.tiny_qwen3(False, seed=7)
     domino.save_pretrained(tmp_path / "drafter")
     target.save_pretrained(tmp_path / "target")
-    cfg = drafter.config_from_hf(cv.read_config(tmp_path / "drafter"))
+    cfg = drafter.config_from_hf(cv.read_config(tmp_path / "drafter"), dtype="float32")
     want = drafter.params_from_hf(cfg, oracles.StateGetter(domino), jnp.float32)
     kind, got_cfg, params = cv.load_hf(tmp_path / "drafter", "float32")
     assert (kind, got_cfg) == ("drafter", cfg) and cfg.has_head
