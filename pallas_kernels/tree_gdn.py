@@ -1,17 +1,19 @@
 """Tree-aware Gated DeltaNet verification: conv windows and recurrent states along parent pointers.
 
 A draft tree of N nodes per request (node 0 = the last committed token, ``parents[0] = -1``, parents before
-children) is verified in one pass without touching the committed conv/recurrent state.  Every node behaves as if
-the chain root -> ... -> node had been appended to the committed sequence:
+children) is verified in one pass without touching the committed conv/recurrent state.  Every node behaves as
+if the chain root -> ... -> node had been appended to the committed sequence:
 
-* ``tree_conv``: node t's conv window is itself, its parent, grandparent, ... continuing into the committed conv
-  state above the root; ``windows[t]`` (the last ``Kc-1`` raw inputs after node t) is the conv state to commit.
+* ``tree_conv``: node t's conv window is itself, its parent, grandparent, ... continuing into the committed
+  conv state above the root; ``windows[t]`` (the last ``Kc-1`` raw inputs after node t) is the conv state to
+  commit.
 * ``reference_tree_gdn``: sequential oracle, a ``lax.scan`` over nodes with a per-node state table
   (node t starts from its parent's state, node 0 from the committed state).
-* ``tree_gdn_wy`` (XLA) / ``tree_gdn`` (Pallas, one (request, v-head) per grid point): the parallel tree-WY form.
+* ``tree_gdn_wy`` (XLA) / ``tree_gdn`` (Pallas, one (request, v-head) per grid point): the parallel tree-WY
+  form.
   With ``M`` the ancestor-or-self mask and ``G = M g`` the path cumsum of log-decays (per v-head)::
 
-      D[i, j] = exp(G_i - G_j) if j <= i (ancestor-or-self) else 0      (-inf masked before exp; every factor <= 1)
+      D[i, j] = exp(G_i - G_j) if j <= i (ancestor-or-self) else 0   (-inf masked before exp; factors <= 1)
       A[i, j] = beta_i (k_i . k_j) D[i, j] for proper ancestors j
       U = (I + A)^-1 [beta (v - exp(G) (K S0))]                          (unit lower-triangular)
       O = exp(G) (Q S0) + ((Q K^T) * D) U
@@ -19,9 +21,11 @@ the chain root -> ... -> node had been appended to the committed sequence:
   and returns a small per-node stash ``(k, u, G, M)`` instead of N states.
 * ``tree_gdn_commit``: the accepted node l's state ``exp(G_l) S0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T``.
   ``commit_conv`` / ``take_node``: the accepted node's conv window (or state-table row).
+* ``tree_gdn_mixer`` / ``commit_tree_gdn``: the whole token-mixer core between the projections (the tree
+  counterpart of ``dtree_jax.models.gdn.gdn_mixer``) and the commit of both states.
 
-Each node reads only its ancestors, so nodes off the accepted path (dead leaves, padding attached anywhere in the
-tree) never change another node's output or the commit, as long as their inputs are finite.
+Each node reads only its ancestors, so nodes off the accepted path (dead leaves, padding attached anywhere in
+the tree) never change another node's output or the commit, as long as their inputs are finite.
 """
 
 from __future__ import annotations
@@ -35,7 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from dtree_jax.models.gdn import HIGHEST, fp32_einsum, conv_taps, gdn_step, l2norm, normalize_qk, unit_lower_solve
+from dtree_jax.models.gdn import (
+    HIGHEST,
+    conv_taps,
+    fp32_einsum,
+    gated_rms_norm,
+    gdn_gates,
+    gdn_step,
+    l2norm,
+    normalize_qk,
+    split_qkv,
+    unit_lower_solve,
+)
 from dtree_jax.tree import ancestor_mask, check_parents
 
 
@@ -62,7 +77,8 @@ def _check_tree_inputs(q, k, v, g, beta, state0, parents):
     if parents.shape != (bsz, n):
         raise ValueError(f"parents must be {(bsz, n)} to match q {q.shape}, got {parents.shape}")
     if k.shape != q.shape or v.shape[:2] != (bsz, n):
-        raise ValueError(f"q, k must be [B, N, Hk, dk] and v [B, N, Hv, dv]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"q, k must be [B, N, Hk, dk] and v [B, N, Hv, dv]; got {q.shape}, {k.shape}, {v.shape}")
     if g.shape != (bsz, n, hv) or beta.shape != (bsz, n, hv):
         raise ValueError(f"g and beta must be {(bsz, n, hv)}, got {g.shape} and {beta.shape}")
     if state0.shape != (bsz, hv, dk, dv):
@@ -76,7 +92,8 @@ def take_node(x: jax.Array, last: jax.Array) -> jax.Array:  # [B, N, ...], [B] -
     last = jnp.asarray(last, jnp.int32)
     if last.shape != x.shape[:1]:
         raise ValueError(f"last must be [B={x.shape[0]}], got {last.shape}")
-    if not isinstance(last, jax.core.Tracer) and (np.any(np.asarray(last) < 0) or np.any(np.asarray(last) >= x.shape[1])):
+    concrete = not isinstance(last, jax.core.Tracer)
+    if concrete and not np.all((np.asarray(last) >= 0) & (np.asarray(last) < x.shape[1])):
         raise ValueError(f"last must index a node in [0, {x.shape[1]}), got {np.asarray(last)}")
     idx = last.reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
@@ -111,8 +128,8 @@ def tree_conv(
 ) -> tuple[jax.Array, jax.Array]:  # (y [B, N, C], windows [B, N, Kc-1, C]) in x.dtype
     """Causal conv1d + SiLU where each node's window runs along its ancestors into the committed conv state.
 
-    ``windows[:, t]`` is the conv state after consuming node t (its ``Kc-1`` most recent inputs along the path,
-    oldest first); ``commit_conv(windows, last)`` commits it.
+    ``windows[:, t]`` is the conv state after consuming node t (its ``Kc-1`` most recent inputs along the
+    path, oldest first); ``commit_conv(windows, last)`` commits it.
     """
     check_parents(parents)
     bsz, n, c = x.shape
@@ -147,7 +164,7 @@ def reference_tree_gdn(
     state0: jax.Array,  # [B, Hv, dk, dv] committed state (read only)
     parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, N, Hv, dv] in q.dtype, node_states [B, N, Hv, dk, dv] fp32)
-    """Sequential oracle: node t's state = its parent's state advanced by node t's token (node 0 from ``state0``).
+    """Sequential oracle: node t's state = its parent's state advanced by node t's token (node 0: ``state0``).
 
     ``node_states[:, t]`` is the state after node t; ``take_node(node_states, last)`` commits it.
     """
@@ -164,7 +181,8 @@ def reference_tree_gdn(
         s, o = gdn_step(s_in, *tok)
         return table.at[:, t].set(s), o
 
-    xs = (jnp.arange(n), parents.T) + tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (qn, kn, v, g, beta))
+    tokens = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (qn, kn, v, g, beta))
+    xs = (jnp.arange(n), parents.T) + tokens
     table = jnp.zeros((bsz, n) + state0.shape[1:], jnp.float32)
     table, o = jax.lax.scan(step, table, xs)
     return jnp.moveaxis(o, 0, 1).astype(q.dtype), table
@@ -195,7 +213,8 @@ def tree_gdn_wy(
     eg = jnp.exp(gh)[..., None]  # [B, Hv, N, 1]
     rhs = bh * (jnp.moveaxis(v, 2, 1) - eg * fp32_einsum("bnhk,bhkv->bhnv", kn, s0))
     u = unit_lower_solve(a, rhs)  # [B, Hv, N, dv]
-    o = eg * fp32_einsum("bnhk,bhkv->bhnv", qn, s0) + fp32_einsum("bhij,bhjv->bhiv", fp32_einsum("bihk,bjhk->bhij", qn, kn) * decay, u)
+    qk = fp32_einsum("bihk,bjhk->bhij", qn, kn) * decay
+    o = eg * fp32_einsum("bnhk,bhkv->bhnv", qn, s0) + fp32_einsum("bhij,bhjv->bhiv", qk, u)
     stash = TreeGDNStash(k=kn, u=jnp.moveaxis(u, 1, 2), g_path=g_path, mask=mask)
     return jnp.moveaxis(o, 1, 2).astype(q.dtype), stash
 
@@ -205,7 +224,7 @@ def tree_gdn_commit(
     state0: jax.Array,  # [B, Hv, dk, dv] committed state the verify started from
     last: jax.Array,  # [B] int32 index of the last accepted node
 ) -> jax.Array:  # [B, Hv, dk, dv] fp32
-    """State after the accepted path root -> ... -> last: ``exp(G_l) S0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T``."""
+    """State after accepting root -> ... -> last: ``exp(G_l) S0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T``."""
     on_path = take_node(stash.mask, last)  # [B, N]
     g_last = take_node(stash.g_path, last)  # [B, Hv]
     coef = jnp.exp(jnp.where(on_path[..., None], g_last[:, None] - stash.g_path, -jnp.inf))  # [B, N, Hv]
@@ -219,7 +238,8 @@ def tree_gdn_commit(
 
 
 def _dot(a, b, contract=((1,), (0,))):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+    dims = (contract, ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _tree_gdn_kernel(q_ref, k_ref, v_ref, gc_ref, gr_ref, b_ref, s_ref, m_ref, o_ref, u_ref, gp_ref):
@@ -256,7 +276,8 @@ def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
     rep = hv // hk
     heads_first = lambda x: jnp.moveaxis(x, 2, 1)  # [B, N, H, ...] -> [B, H, N, ...]
     gh, bh = heads_first(g)[..., None], heads_first(beta)[..., None]  # [B, Hv, N, 1]
-    per_qk = pl.BlockSpec((None, None, n, dk), lambda b, h: (b, jax.lax.div(h, rep), 0, 0))  # GVA; lax.div: no sign ops
+    # GVA head map; lax.div (not //) lowers without sign ops, which Mosaic cross-lowering cannot handle
+    per_qk = pl.BlockSpec((None, None, n, dk), lambda b, h: (b, jax.lax.div(h, rep), 0, 0))
     per_v = pl.BlockSpec((None, None, n, dv), lambda b, h: (b, h, 0, 0))
     col = pl.BlockSpec((None, None, n, 1), lambda b, h: (b, h, 0, 0))
     row = pl.BlockSpec((None, None, 1, n), lambda b, h: (b, h, 0, 0))
@@ -275,8 +296,8 @@ def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
             jax.ShapeDtypeStruct((bsz, hv, n, 1), jnp.float32),
         ],
         interpret=interpret,
-    )(heads_first(q), heads_first(k), heads_first(v), gh, jnp.swapaxes(gh, -1, -2), bh, state0.astype(jnp.float32),
-      mask.astype(jnp.float32))
+    )(heads_first(q), heads_first(k), heads_first(v), gh, jnp.swapaxes(gh, -1, -2), bh,
+      state0.astype(jnp.float32), mask.astype(jnp.float32))
     return heads_first(o), heads_first(u), heads_first(gp)[..., 0]
 
 
@@ -300,3 +321,52 @@ def tree_gdn(
     o, u, g_path = _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret)
     _, kn = normalize_qk(q, k, v.shape[-2])
     return o, TreeGDNStash(k=kn, u=u, g_path=g_path, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole token-mixer core on a tree (the hybrid model's verify path)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tree_gdn_mixer(
+    qkv: jax.Array,  # [B, N, 2*Hk*dk + Hv*dv] in_proj_qkv output of the tree nodes (raw, pre-conv)
+    z: jax.Array,  # [B, N, Hv, dv]
+    a: jax.Array,  # [B, N, Hv]
+    b: jax.Array,  # [B, N, Hv]
+    conv_w: jax.Array,  # [C, Kc]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_w: jax.Array,  # [dv]
+    conv_state: jax.Array,  # [B, Kc-1, C] committed (read only)
+    state0: jax.Array,  # [B, Hv, dk, dv] committed (read only)
+    parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    eps: float = 1e-6,
+    impl: str = "xla",
+) -> tuple[jax.Array, jax.Array, TreeGDNStash]:  # (y [B, N, Hv, dv], windows [B, N, Kc-1, C], stash)
+    """``gdn_mixer`` for a draft tree: every node as if its root->node path were appended to the sequence.
+
+    ``impl``: ``"xla"`` (``tree_gdn_wy``), ``"pallas"`` (``tree_gdn``) or ``"interpret"`` (``tree_gdn`` in
+    interpret mode).  After acceptance ``commit_tree_gdn(windows, stash, state0, last)`` gives the new states.
+    """
+    fns = {"xla": tree_gdn_wy, "pallas": tree_gdn, "interpret": functools.partial(tree_gdn, interpret=True)}
+    if impl not in fns:
+        raise ValueError(f"impl must be one of {sorted(fns)}, got {impl!r}")
+    hv, dv = z.shape[-2:]
+    y, windows = tree_conv(qkv, conv_w, conv_state, parents)
+    q, k, v = split_qkv(y, num_k_heads, head_k_dim, hv, dv)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    o, stash = fns[impl](q, k, v, g, beta, state0, parents)
+    return gated_rms_norm(o, z, norm_w, eps), windows, stash
+
+
+def commit_tree_gdn(
+    windows: jax.Array,  # [B, N, Kc-1, C] from tree_gdn_mixer / tree_conv
+    stash: TreeGDNStash,
+    state0: jax.Array,  # [B, Hv, dk, dv] the committed state the verify started from
+    last: jax.Array,  # [B] int32 last accepted node
+) -> tuple[jax.Array, jax.Array]:  # (conv_state [B, Kc-1, C], state [B, Hv, dk, dv] fp32)
+    """New committed (conv, recurrent) state after accepting root -> ... -> last."""
+    return commit_conv(windows, last), tree_gdn_commit(stash, state0, last)

@@ -1,6 +1,7 @@
 """Gated DeltaNet (Qwen3-Next / Qwen3.5 / Qwen3.6 ``linear_attn``) token-mixer core, functional JAX.
 
-The projections (``in_proj_*``, ``out_proj``) live in the hybrid model; this module owns what sits between them:
+The projections (``in_proj_*``, ``out_proj``) live in the hybrid model; this module owns what sits between
+them:
 
   1. ``causal_conv``: depthwise causal conv1d + SiLU over the packed ``[q | k | v]`` channels
      (``w[:, Kc-1]`` multiplies the current token; the conv state holds the last ``Kc-1`` raw inputs);
@@ -13,8 +14,8 @@ The projections (``in_proj_*``, ``out_proj``) live in the hybrid model; this mod
          S <- S + k_t u_t^T
          o_t = S^T q_t                      # output from the updated state
 
-     ``recurrent_gated_delta_rule`` (``lax.scan``; decode) and ``chunk_gated_delta_rule`` (WY/UT form over chunks
-     of 64; prefill and multi-token chains) compute the same thing;
+     ``recurrent_gated_delta_rule`` (``lax.scan``; decode) and ``chunk_gated_delta_rule`` (WY/UT form over
+     chunks of 64; prefill and multi-token chains) compute the same thing;
   4. ``gated_rms_norm``: ``w * rmsnorm(o) * silu(z)`` per head over ``dv`` (plain ``w``, not ``1 + w``).
 
 One layer, with ``qkv = x @ Wqkv`` ``[B, T, 2*Hk*dk + Hv*dv]``, ``z [B, T, Hv, dv]``, ``a, b [B, T, Hv]``::
@@ -25,8 +26,8 @@ One layer, with ``qkv = x @ Wqkv`` ``[B, T, 2*Hk*dk + Hv*dv]``, ``z [B, T, Hv, d
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, state)   # or recurrent_gated_delta_rule for T == 1
     out = gated_rms_norm(o, z, norm_w).reshape(B, T, Hv * dv) @ Wout
 
-Tree verification (per-node conv windows and states along parent pointers) is in ``pallas_kernels/tree_gdn.py``
-and reuses ``gdn_step``, ``normalize_qk`` and ``split_qkv`` from here.
+Tree verification (per-node conv windows and states along parent pointers) is in
+``pallas_kernels/tree_gdn.py`` and reuses ``gdn_step``, ``normalize_qk`` and ``split_qkv`` from here.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def gdn_gates(
     A_log: jax.Array,  # [Hv]
     dt_bias: jax.Array,  # [Hv]
 ) -> tuple[jax.Array, jax.Array]:  # (g [..., Hv] log-decay <= 0, beta [..., Hv]), fp32
-    """``g = -exp(A_log) * softplus(a + dt_bias)`` (torch softplus: identity above 20), ``beta = sigmoid(b)``."""
+    """``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (softplus: identity above 20)."""
     x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
     softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
     g = -jnp.exp(A_log.astype(jnp.float32)) * softplus
@@ -72,7 +73,7 @@ def normalize_qk(
     k: jax.Array,  # [..., Hk, dk]
     num_v_heads: int,
 ) -> tuple[jax.Array, jax.Array]:  # ([..., Hv, dk], [..., Hv, dk]) fp32
-    """l2-normalises q and k, scales q by ``dk**-0.5`` and maps them onto the v-heads (``h -> h // (Hv // Hk)``)."""
+    """l2-normalises q and k, scales q by ``dk**-0.5``, maps them onto the v-heads (``h // (Hv // Hk)``)."""
     hk, dk = q.shape[-2:]
     if k.shape != q.shape:
         raise ValueError(f"q and k must have the same shape, got {q.shape} and {k.shape}")
@@ -119,8 +120,8 @@ def causal_conv(
 ) -> tuple[jax.Array, jax.Array]:  # (y [B, T, C] in x.dtype, new conv_state [B, Kc-1, C] in x.dtype)
     """Depthwise causal conv1d + SiLU; prefill (any T) and decode (T = 1) alike.
 
-    Token t sees ``[.., x[t-1], x[t]]`` continuing into ``conv_state`` before the first token; the new state is the
-    last ``Kc-1`` raw inputs of ``[conv_state ; x]`` (so part of the old state survives when ``T < Kc-1``).
+    Token t sees ``[.., x[t-1], x[t]]`` continuing into ``conv_state`` before the first token; the new state
+    is the last ``Kc-1`` raw inputs of ``[conv_state ; x]`` (part of the old state survives when T < Kc-1).
     """
     bsz, t, c = x.shape
     if w.ndim != 2 or w.shape[0] != c:
@@ -161,7 +162,7 @@ def gdn_step(
     g: jax.Array,  # [...] log-decay
     beta: jax.Array,  # [...]
 ) -> tuple[jax.Array, jax.Array]:  # (new state [..., dk, dv], o [..., dv]) fp32
-    """One token of the gated delta rule: decay, delta update from the decayed state, read the updated state."""
+    """One token of the gated delta rule: decay, delta update from the decayed state, read the new state."""
     s = state * jnp.exp(g)[..., None, None]
     u = beta[..., None] * (v.astype(jnp.float32) - fp32_einsum("...kv,...k->...v", s, k))
     s = s + k[..., :, None] * u[..., None, :]
@@ -172,7 +173,8 @@ def _check_gdn_inputs(q, k, v, g, beta, state):
     bsz, t, hk, dk = q.shape
     hv, dv = v.shape[-2:]
     if k.shape != q.shape or v.shape[:2] != (bsz, t):
-        raise ValueError(f"q, k must be [B, T, Hk, dk] and v [B, T, Hv, dv]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"q, k must be [B, T, Hk, dk] and v [B, T, Hv, dv]; got {q.shape}, {k.shape}, {v.shape}")
     if g.shape != (bsz, t, hv) or beta.shape != (bsz, t, hv):
         raise ValueError(f"g and beta must be {(bsz, t, hv)}, got {g.shape} and {beta.shape}")
     if state is None:
@@ -218,13 +220,16 @@ def chunk_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, T, Hv, dv] in q.dtype, final state [B, Hv, dk, dv] fp32)
     """Chunked (WY/UT) gated delta rule for prefill; equals ``recurrent_gated_delta_rule``.
 
-    T is zero-padded to a multiple of ``chunk_size`` (padded tokens have g = beta = k = 0, so they leave the state
-    unchanged).  Within a chunk with cumulative log-decay ``G``: ``A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)``
-    (j < i), ``U = (I + A)^-1 (beta v)``, ``W = (I + A)^-1 (beta k exp(G))``; per chunk ``v_new = U - W S``,
+    T is zero-padded to a multiple of ``chunk_size`` (padded tokens have g = beta = k = 0, so they leave the
+    state unchanged).  Within a chunk with cumulative log-decay ``G``:
+    ``A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)`` (j < i), ``U = (I + A)^-1 (beta v)``,
+    ``W = (I + A)^-1 (beta k exp(G))``; per chunk ``v_new = U - W S``,
     ``o = (q exp(G)) S + ((q k^T) exp(G_i - G_j))_{j<=i} v_new``,
     ``S <- exp(G_last) S + (k exp(G_last - G))^T v_new``.
     """
     state = _check_gdn_inputs(q, k, v, g, beta, state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     bsz, t, _, _ = q.shape
     hv = v.shape[-2]
     qn, kn = normalize_qk(q, k, hv)
@@ -262,3 +267,37 @@ def chunk_gated_delta_rule(
     state, o = jax.lax.scan(step, state, xs)  # o [n, B, Hv, C, dv]
     o = jnp.moveaxis(o, 0, 2).reshape(bsz, hv, n * c, -1)[:, :, :t]
     return jnp.moveaxis(o, 1, 2).astype(q.dtype), state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole token-mixer core between the projections
+# ----------------------------------------------------------------------------------------------------------
+
+
+def gdn_mixer(
+    qkv: jax.Array,  # [B, T, 2*Hk*dk + Hv*dv] in_proj_qkv output (raw, pre-conv)
+    z: jax.Array,  # [B, T, Hv, dv] in_proj_z output
+    a: jax.Array,  # [B, T, Hv] in_proj_a output
+    b: jax.Array,  # [B, T, Hv] in_proj_b output
+    conv_w: jax.Array,  # [C, Kc] conv1d.weight[:, 0, :]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_w: jax.Array,  # [dv] gated-norm weight
+    conv_state: jax.Array | None,  # [B, Kc-1, C] (None: zeros)
+    state: jax.Array | None,  # [B, Hv, dk, dv] fp32 (None: zeros)
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    eps: float = 1e-6,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [B, T, Hv, dv] in qkv.dtype, conv_state, state)
+    """conv + SiLU -> split -> gates -> delta rule (recurrent for T == 1, chunked otherwise) -> gated norm.
+
+    ``y.reshape(B, T, Hv * dv) @ out_proj`` is the layer output; the returned states continue the sequence.
+    """
+    hv, dv = z.shape[-2:]
+    y, conv_state = causal_conv(qkv, conv_w, conv_state)
+    q, k, v = split_qkv(y, num_k_heads, head_k_dim, hv, dv)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    rule = recurrent_gated_delta_rule if qkv.shape[1] == 1 else chunk_gated_delta_rule
+    o, state = rule(q, k, v, g, beta, state)
+    return gated_rms_norm(o, z, norm_w, eps), conv_state, state
