@@ -310,7 +310,7 @@ def tree_gdn(
     state0: jax.Array,  # [B, Hv, dk, dv] committed state (read only)
     parents: jax.Array,  # [B, N] int32, parents[:, 0] = -1
     *,
-    interpret: bool = False,
+    interpret=False,  # bool, or a pltpu.InterpretParams for the TPU-semantics interpreter
 ) -> tuple[jax.Array, TreeGDNStash]:  # same as tree_gdn_wy
     """Pallas (TPU-style) tree-WY verify, grid (B, Hv); ``(I + A)^-1`` by nilpotent squaring (matmuls only).
 

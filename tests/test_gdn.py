@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.experimental.pallas import tpu as pltpu
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRMSNormGated,
     causal_conv1d_fn,
@@ -391,11 +392,11 @@ def test_tree_mixer_and_commit_equal_chain_mixer(impl):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 10])
-def test_pallas_tree_gdn_interpret_matches_reference(n):
+@pytest.mark.parametrize("n, interpret", [(1, True), (10, True), (10, pltpu.InterpretParams())])
+def test_pallas_tree_gdn_interpret_matches_reference(n, interpret):
     p = _layer(8, n)
     _, _, o, stash = _tree_mixer(p, tg.tree_gdn_wy)
-    _, _, o_k, stash_k = _tree_mixer(p, functools.partial(tg.tree_gdn, interpret=True))
+    _, _, o_k, stash_k = _tree_mixer(p, functools.partial(tg.tree_gdn, interpret=interpret))
     _, _, o_ref, states = _tree_mixer(p)
     np.testing.assert_allclose(o_k, o, **TOL)
     np.testing.assert_allclose(o_k, o_ref, **TOL)
@@ -406,10 +407,26 @@ def test_pallas_tree_gdn_interpret_matches_reference(n):
     np.testing.assert_allclose(folded, tg.take_node(states, last), **TOL)
 
 
-def test_pallas_tree_gdn_lowers_for_tpu():
-    n = 16
-    shapes = [(B, n, HK, DK), (B, n, HK, DK), (B, n, HV, DV), (B, n, HV), (B, n, HV), (B, HV, DK, DV)]
-    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes] + [jax.ShapeDtypeStruct((B, n), jnp.int32)]
+def test_pallas_tree_gdn_bf16_activations():
+    p = _layer(11, 10)
+    y, _ = tg.tree_conv(jnp.asarray(p["x"], jnp.bfloat16), p["w"], p["conv_state"], p["parents"])
+    q, k, v = gdn.split_qkv(y, HK, DK, HV, DV)
+    g, beta = gdn.gdn_gates(p["a"], p["b"], p["a_log"], p["dt_bias"])
+    o, stash = tg.tree_gdn_wy(q, k, v, g, beta, p["state0"], p["parents"])
+    o_k, stash_k = tg.tree_gdn(q, k, v, g, beta, p["state0"], p["parents"], interpret=True)
+    assert o.dtype == o_k.dtype == jnp.bfloat16 and stash_k.u.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o_k, np.float32), np.asarray(o, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(stash_k.u, stash.u, **TOL)
+
+
+@pytest.mark.parametrize(
+    "n, dims, dtype", [(16, (HK, HV, DK, DV), jnp.float32), (16, (16, 48, 128, 128), jnp.bfloat16)])
+def test_pallas_tree_gdn_lowers_for_tpu(n, dims, dtype):
+    hk, hv, dk, dv = dims  # the second case has Qwen3.6-27B's GDN head shapes
+    shapes = [(B, n, hk, dk), (B, n, hk, dk), (B, n, hv, dv)]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    args += [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(B, n, hv), (B, n, hv), (B, hv, dk, dv)]]
+    args += [jax.ShapeDtypeStruct((B, n), jnp.int32)]
     fn = jax.jit(functools.partial(tg.tree_gdn, interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
