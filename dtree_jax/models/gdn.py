@@ -41,6 +41,7 @@ CHUNK_SIZE = 64
 
 
 def fp32_einsum(spec: str, *xs: jax.Array) -> jax.Array:
+    """``jnp.einsum`` at full precision with an fp32 result."""
     return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
