@@ -1,0 +1,182 @@
+"""The decode loop: every method is lossless against ``ar`` (greedy, and in distribution when sampling),
+``ar`` equals transformers ``generate``, stops and capacity are handled, and nothing recompiles."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dtree_jax import decode
+from dtree_jax.decode import Model, generate
+from dtree_jax.models import drafter, qwen3
+from oracles import StateGetter, tiny_domino, tiny_qwen3
+
+METHODS = ("dflash", "domino", "ddtree", "dominotree", "condstatic")
+PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf, d = tiny_qwen3(tie=False, seed=3)
+    cfg = qwen3.config_from_hf(d, dtype="float32")
+    target = Model("qwen3", cfg, qwen3.params_from_hf(cfg, StateGetter(hf), "float32"))
+    dom, _, dd = tiny_domino(shift_label=True, seed=4)
+    dcfg = drafter.config_from_hf(dd, dtype="float32")
+    draft = Model("drafter", dcfg, drafter.params_from_hf(dcfg, StateGetter(dom), "float32"))
+    return hf, target, draft
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(models):
+    _, target, _ = models
+    return generate(target, PROMPTS, "ar", max_new_tokens=24, stop_ids=()).tokens
+
+
+def test_ar_equals_transformers_generate(models, ar_tokens):
+    hf, _, _ = models
+    for prompt, got in zip(PROMPTS, ar_tokens):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert got == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_lossless_with_random_drafter(models, ar_tokens, method):
+    _, target, draft = models
+    # Request 0 stops at its 7th token (a stop id it emits), request 1 runs to max_new_tokens.
+    stop = ar_tokens[0][6]
+    got = generate(target, PROMPTS, method, draft, budget=8, max_new_tokens=24, stop_ids=(stop,))
+    want0 = ar_tokens[0][: ar_tokens[0].index(stop) + 1]
+    assert got.tokens[0] == want0 and got.stats[0]["stop_reason"] == "eos"
+    if stop in ar_tokens[1]:
+        want1 = ar_tokens[1][: ar_tokens[1].index(stop) + 1]
+    else:
+        want1 = ar_tokens[1]
+    assert got.tokens[1] == want1
+
+
+def _oracle_draft(reference: np.ndarray, original):
+    """A drafter that knows the target's continuation at 4 of every 5 positions (noise at the 5th)."""
+    ref = jnp.asarray(reference)
+
+    def draft(spec, tparams, dparams, state):
+        rnd = original(spec, tparams, dparams, state)
+        b, k, v = rnd.base.shape
+        pos = state.out_len[:, None] + jnp.arange(k)[None, :]  # output index of the token at depth d + 1
+        known = (pos % 5) != 4
+        truth = jnp.take_along_axis(ref, jnp.clip(pos, 0, ref.shape[1] - 1), axis=1)
+        boost = 30.0 * jax.nn.one_hot(truth, v) * known[..., None]
+        return rnd.__class__(ph=rnd.ph, base=rnd.base + boost, root_state=rnd.root_state, root=rnd.root)
+
+    return draft
+
+
+@pytest.mark.parametrize("method", ["domino", "ddtree", "dominotree"])
+def test_greedy_lossless_with_oracle_drafter_accepts_long_paths(models, ar_tokens, method, monkeypatch):
+    _, target, draft = models
+    reference = np.array([t + [0] * 40 for t in ar_tokens], np.int32)
+    monkeypatch.setattr(decode, "_draft", _oracle_draft(reference, decode._draft))
+    monkeypatch.setattr(decode, "_COMPILED", {})
+    jax.clear_caches()
+    got = generate(target, PROMPTS, method, draft, budget=10, max_new_tokens=24, stop_ids=())
+    jax.clear_caches()
+    assert got.tokens == ar_tokens
+    assert min(s["tau"] for s in got.stats) > 2.5  # long paths accepted, many compactions exercised
+
+
+def test_capacity_stops_cleanly(models, ar_tokens):
+    _, target, draft = models
+    got = generate(target, PROMPTS, "dominotree", draft, budget=8, max_new_tokens=24, stop_ids=(),
+                   cache_len=32)
+    for want, toks, st in zip(ar_tokens, got.tokens, got.stats):
+        assert st["stop_reason"] == "capacity" and 0 < len(toks) < 24
+        assert toks == want[: len(toks)]
+
+
+def test_no_recompilation_within_a_bucket(models):
+    _, target, draft = models
+    generate(target, [[3, 4, 5]], "dominotree", draft, budget=8, max_new_tokens=8, stop_ids=())
+    before = decode.compilations()
+    other = generate(target, [[9, 1, 2, 7, 7]], "dominotree", draft, budget=8, max_new_tokens=8, stop_ids=())
+    assert decode.compilations() == before and other.compile_seconds == 0.0
+
+
+def test_bad_input(models):
+    _, target, draft = models
+    with pytest.raises(ValueError, match="unknown method"):
+        generate(target, PROMPTS, "beam", draft)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(target, PROMPTS, "ddtree")
+    with pytest.raises(ValueError, match="outside"):
+        generate(target, [[1, 999]], "ar")
+    with pytest.raises(ValueError, match="at least one"):
+        generate(target, [[]], "ar")
+    plain = Model("drafter", draft.cfg.__class__(**{**draft.cfg.__dict__, "projector_type": None}), draft.params)
+    with pytest.raises(ValueError, match="Domino drafter"):
+        generate(target, PROMPTS, "dominotree", plain)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: the distribution of the generated tokens is the target's
+# ------------------------------------------------------------------------------------------------
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square with cells of expected count < 5 pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return float(jax.scipy.special.gammaincc((keep.sum() - 1) / 2.0, stat / 2.0))
+
+
+def _exact_second_token(target: Model, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(second generated token) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1) under the target."""
+    v = target.cfg.vocab_size
+    ids = np.array([prompt + [t] for t in range(v)], np.int32)
+    b, t = ids.shape
+    cache = qwen3.init_cache(target.cfg, b, t)
+    logits, _, _ = qwen3.forward(target.params, target.cfg, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(t), (b, t)),
+                                 cache, jnp.zeros((b,), jnp.int32), jnp.broadcast_to(jnp.tri(t, dtype=bool), (b, t, t)))
+    logits = np.asarray(logits, np.float64) / temperature
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p[0, -2] @ p[:, -1]  # row 0's position -2 is the prompt's last token: p(t1)
+
+
+def test_sampling_is_lossless_in_distribution(models):
+    _, target, draft = models
+    prompt = [1, 5, 9, 3]
+    n = 3000
+    got = generate(target, [prompt] * n, "dominotree", draft, budget=6, max_new_tokens=2, temperature=1.0,
+                   seed=11, stop_ids=())
+    second = np.array([t[1] for t in got.tokens])
+    counts = np.bincount(second, minlength=target.cfg.vocab_size)
+    assert _chi2_pvalue(counts, _exact_second_token(target, prompt, 1.0)) > 1e-3
+    # Control: the same samples are rejected against a slightly different distribution (temperature 0.8).
+    assert _chi2_pvalue(counts, _exact_second_token(target, prompt, 0.8)) < 1e-4
+    # Sampling with a fixed seed is reproducible.
+    again = generate(target, [prompt] * n, "dominotree", draft, budget=6, max_new_tokens=2, temperature=1.0,
+                     seed=11, stop_ids=())
+    assert again.tokens == got.tokens
+
+
+def test_cli_generate_json(models, tmp_path, capsys):
+    hf, _, _ = models
+    dom, _, _ = tiny_domino(shift_label=True, seed=4)
+    hf.save_pretrained(tmp_path / "target")
+    dom.save_pretrained(tmp_path / "drafter")
+    from dtree_jax.cli import main
+
+    rc = main(["generate", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+               "--method", "ddtree", "--budget", "8", "--prompt-ids", "1,5,9,3", "--max-new-tokens", "12", "--json"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(row["tokens"]) == 12 and row["rounds"] >= 1 and row["tau"] >= 1
