@@ -42,7 +42,9 @@ def test_dominotree_frontier_equals_heap_batch_sizes(batch):
     check("dominotree", CASES[0], batch=batch)
 
 
-@pytest.mark.parametrize("method, case", [("ddtree", CASES[0]), ("condstatic", CASES[5])], ids=["ddtree", "condstatic"])
+@pytest.mark.parametrize(
+    "method, case", [("ddtree", CASES[0]), ("condstatic", CASES[5])], ids=["ddtree", "condstatic"]
+)
 def test_menu_scorers_frontier_equals_heap(method, case):
     check(method, case, batch=3)
 
@@ -54,7 +56,8 @@ def test_dead_leaf_padding_layout():
     tree = build_tree("dominotree", rnd, head, embed, budget=budget, k=k, M=M, P=P, mask_token_id=V_MASK)
     dead = ~(tree.scores > -float("inf"))
     assert int(dead.sum(axis=1).min()) == budget - 6 and int(dead.sum(axis=1).max()) == budget - 6
-    assert (tree.tokens[dead] == V_MASK).all() and (tree.parents[dead] == 0).all() and (tree.depths[dead] == 1).all()
+    assert (tree.tokens[dead] == V_MASK).all()
+    assert (tree.parents[dead] == 0).all() and (tree.depths[dead] == 1).all()
     assert not dead[:, : 1 + 6].any()  # real nodes first
 
 

@@ -22,7 +22,8 @@ MASK = 5
 
 
 def check_invariants(tree, budget, mask_token):
-    tok, par, dep, sc, mask = (np.asarray(getattr(tree, f)) for f in ("tokens", "parents", "depths", "scores", "mask"))
+    fields = ("tokens", "parents", "depths", "scores", "mask")
+    tok, par, dep, sc, mask = (np.asarray(getattr(tree, f)) for f in fields)
     assert tok.shape[1] == budget + 1
     for b in range(tok.shape[0]):
         assert par[b, 0] == -1 and dep[b, 0] == 0 and sc[b, 0] == 0
@@ -59,9 +60,10 @@ def test_invariants_random(seed, method):
 
 
 def test_lane_widths():
-    assert lane_widths(16, 8, 16) == (1, 8, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2)
-    assert lane_widths(2, 3, 5) == (1, 2)
-    assert lane_widths(12, 2, 5) == (1, 2, 4, 8, 9)
+    assert lane_widths(16, 8, 16) == (1, 8, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1)
+    assert lane_widths(2, 3, 5) == (1, 1)
+    assert lane_widths(12, 2, 5) == (1, 2, 4, 8, 8)
+    assert lane_widths(1, 8, 16) == (1,)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -71,7 +73,8 @@ def test_lane_widths():
 
 def ddtree_lazy(base, budget, rank_cap, depth_limit):
     """DDTree: pop best; push the next sibling (rank + 1) and the first child (rank 0 one level deeper)."""
-    lp = base - np.log(np.exp(base - base.max(-1, keepdims=True)).sum(-1, keepdims=True)) - base.max(-1, keepdims=True)
+    top = base.max(-1, keepdims=True)
+    lp = base - top - np.log(np.exp(base - top).sum(-1, keepdims=True))
     order = np.argsort(-lp, axis=-1, kind="stable")
     vals = np.take_along_axis(lp, order, axis=-1)
     heap = [(-vals[0, 0], (0,), -1, 1, 0, vals[0, 0])]
@@ -161,9 +164,8 @@ def test_domino_chain_equals_direct_sequential(M, P):
     assert tree.tokens.shape == (3, 7)
     np.testing.assert_array_equal(np.asarray(tree.parents[0]), np.arange(7) - 1)
     for b in range(3):
-        want = domino_chain_direct(
-            head, embed, np.asarray(rnd.ph[b], np.float64), np.asarray(rnd.base[b], np.float64), rnd.root[b], M, P
-        )
+        ph, base = np.asarray(rnd.ph[b], np.float64), np.asarray(rnd.base[b], np.float64)
+        want = domino_chain_direct(head, embed, ph, base, rnd.root[b], M, P)
         np.testing.assert_array_equal(np.asarray(tree.tokens[b]), want)
 
 

@@ -6,11 +6,13 @@ selected once at the end by a stable descending sort.  Because a child never sco
 is ancestor-closed, and the stable sort over the depth-major ledger puts parents before children (on equal
 scores the shallower entry wins).  On tie-free inputs it equals ``heap.heap_tree`` node for node.
 
-Lane widths: §4.5 advances ``W = budget`` lanes at every depth.  Fewer suffice for exactness: a tree with
-``budget`` non-root nodes holds at most ``budget - d`` nodes at ledger depth ``d`` (one of them has ``d``
-ancestors besides the root) and at most ``k ** (d + 1)``; and no node deeper than ``budget - 1``.  So the lanes
-scored at step ``d`` are the best ``lane_widths(...)[d]`` entries of the previous depth.  This keeps the result
-identical while skipping lanes that could never hold a selected node (half the GRU steps at budget 16, D 16).
+Lane widths: §4.5 advances ``W = budget`` lanes at every depth.  Fewer suffice for exactness.  A lane is
+only useful if its node gets a selected child; a node at ledger depth ``d`` of rank ``r`` (by score among its
+depth) with a selected child implies ``r - 1`` better selected nodes at that depth, itself, the child and its
+``d`` other ancestors, so ``r <= budget - d - 1``; it is also within the ``k ** (d + 1)`` nodes of its depth,
+and no node sits deeper than ``budget - 1``.  So the lanes scored at step ``d`` are the best
+``lane_widths(...)[d]`` entries of the previous depth: the same tree with fewer GRU steps (at budget 16,
+D 16: 113 instead of 240).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from dtree_jax.tree import Tree, ancestor_mask
 
 
 def lane_widths(budget: int, k: int, depths: int) -> tuple[int, ...]:
-    """Lanes scored at each step ``d``: 1 (the root) at d = 0, then ``min(budget - d + 1, k ** d)``; steps
-    beyond ``budget`` are dropped (no node at ledger depth >= budget fits in the tree)."""
-    return tuple(1 if d == 0 else min(budget - d + 1, k**d) for d in range(min(depths, budget)))
+    """Lanes scored at each step ``d``: 1 (the root) at d = 0, then ``min(budget - d, k ** d)``; steps at
+    ``d >= budget`` are dropped (no node at ledger depth >= budget fits in the tree)."""
+    return tuple(1 if d == 0 else min(budget - d, k**d) for d in range(min(depths, budget)))
 
 
 def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_token_id: int) -> Tree:
@@ -33,8 +35,8 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
 
     ``scorer`` follows the protocol in ``scorers``; ledger depths run over ``min(max_depth, K)``.  Returns a
     ``Tree`` with ``N = budget + 1`` nodes: root first, then nodes in descending cumulative score (the heap's
-    pop order).  Requests with fewer than ``budget`` candidates are padded with dead leaves (``mask_token_id``,
-    parent 0, depth 1, score -inf).
+    pop order).  Requests with fewer than ``budget`` candidates are padded with dead leaves
+    (``mask_token_id``, parent 0, depth 1, score -inf).
     """
     k = scorer.k
     widths = lane_widths(budget, k, min(max_depth, scorer.num_depths))
@@ -68,11 +70,12 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
     token = jnp.concatenate(tokens, axis=-1)
     parent = jnp.concatenate(parents, axis=-1)
 
-    sel = jnp.argsort(-score, axis=-1, stable=True)[:, :budget]  # [B, budget] global top-budget, parents first
+    sel = jnp.argsort(-score, axis=-1, stable=True)[:, :budget]  # [B, budget] top-budget, parents first
     sel_score = jnp.take_along_axis(score, sel, axis=-1)
     sel_parent = jnp.take_along_axis(parent, sel, axis=-1)
     pos = jnp.zeros(score.shape, jnp.int32).at[rows, sel].set(jnp.arange(budget, dtype=jnp.int32))
-    flat_parent = jnp.where(sel_parent < 0, 0, jnp.take_along_axis(pos, jnp.maximum(sel_parent, 0), axis=-1) + 1)
+    parent_pos = jnp.take_along_axis(pos, jnp.maximum(sel_parent, 0), axis=-1)
+    flat_parent = jnp.where(sel_parent < 0, 0, parent_pos + 1)
     valid = jnp.isfinite(sel_score)
     node_tok = jnp.where(valid, jnp.take_along_axis(token, sel, axis=-1), mask_token_id)
     node_parent = jnp.where(valid, flat_parent, 0)

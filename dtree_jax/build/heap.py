@@ -26,8 +26,8 @@ def best_first(
     budget: int,
     depths: int,
 ) -> list[tuple[int, int, int, float]]:
-    """Pops up to ``budget`` nodes best-first; returns ``(token, ledger depth, parent pop index or -1, score)``
-    in pop order (parents always before children).
+    """Pops up to ``budget`` nodes best-first; returns ``(token, ledger depth, parent pop index or -1,
+    score)`` in pop order (parents always before children).
 
     ``expand(d, state [S])`` gives the k children of a node at ledger depth ``d``: tokens ``[k]``, log-probs
     ``[k]`` and child states ``[k, S]``.  Score = fp32 sum of log-probs along the path; equal scores pop in
@@ -79,4 +79,5 @@ def heap_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_toke
         for i, (tok, d, parent, score) in enumerate(nodes, start=1):
             tokens[b, i], parents[b, i], depths[b, i], scores[b, i] = tok, parent + 1, d + 1, score
     parents = jnp.asarray(parents)
-    return Tree(jnp.asarray(tokens), parents, jnp.asarray(depths), jnp.asarray(scores), ancestor_mask(parents))
+    tokens, depths, scores = jnp.asarray(tokens), jnp.asarray(depths), jnp.asarray(scores)
+    return Tree(tokens, parents, depths, scores, ancestor_mask(parents))

@@ -14,14 +14,23 @@ method         scorer                                      builder
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 from dtree_jax.build.frontier import frontier_tree
 from dtree_jax.build.heap import heap_tree
-from dtree_jax.build.scorers import DraftRound, chain_menus, condstatic_scorer, domino_scorer, marginal_scorer
+from dtree_jax.build.scorers import (
+    DominoScorer,
+    DraftRound,
+    chain_menus,
+    condstatic_scorer,
+    domino_scorer,
+    marginal_scorer,
+)
 from dtree_jax.models.domino_head import DominoHead
 from dtree_jax.tree import Tree, chain_tree
 
@@ -31,7 +40,9 @@ METHODS = CHAIN_METHODS + TREE_METHODS
 BUILDERS = ("frontier", "heap")
 
 
-def make_scorer(method: str, rnd: DraftRound, head: DominoHead | None, embed: jax.Array | None, *, k: int, M: int, P: int):
+def make_scorer(
+    method: str, rnd: DraftRound, head: DominoHead | None, embed: jax.Array | None, *, k: int, M: int, P: int
+):
     """The method's scorer for this round (no validation; see ``build_tree``)."""
     if method in ("dflash", "ddtree"):
         return marginal_scorer(rnd, k=k)
@@ -52,12 +63,23 @@ def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
 @functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "P", "max_depth", "mask_token_id"))
 def _build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
     if method in CHAIN_METHODS:
-        return chain_draft(make_scorer(method, rnd, head, embed, k=1, M=M, P=P), rnd.root, max_depth=max_depth)
+        scorer = make_scorer(method, rnd, head, embed, k=1, M=M, P=P)
+        return chain_draft(scorer, rnd.root, max_depth=max_depth)
     scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
     return frontier_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
 
 
-_make_scorer = jax.jit(make_scorer, static_argnames=("method", "k", "M", "P"))
+@functools.partial(jax.jit, static_argnames=("method", "k", "M", "P"))
+def _round_tables(method, rnd, head, embed, *, k, M, P):
+    """The scorer's per-round arrays; the weights are left out so that jit does not copy them."""
+    scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+    return dataclasses.replace(scorer, head=None, embed=None) if isinstance(scorer, DominoScorer) else scorer
+
+
+def _host_scorer(method, rnd, head, embed, *, k, M, P):
+    """``make_scorer`` computed in one jitted call, for the host heap."""
+    scorer = _round_tables(method, rnd, head, embed, k=k, M=M, P=P)
+    return dataclasses.replace(scorer, head=head, embed=embed) if isinstance(scorer, DominoScorer) else scorer
 
 
 def build_tree(
@@ -90,24 +112,28 @@ def build_tree(
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
     b, depth, vocab = _check_round(rnd, head, embed, needs_head=method not in ("dflash", "ddtree"))
     max_depth = depth if max_depth is None else max_depth
-    for name, value, low in (("budget", budget, 1), ("k", k, 1), ("max_depth", max_depth, 1), ("M", M, 0), ("P", P, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    knobs = {"budget": (budget, 1), "k": (k, 1), "max_depth": (max_depth, 1), "M": (M, 0), "P": (P, 0)}
+    for name, (value, low) in knobs.items():
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    budget, k, max_depth, M, P = (int(v) for v, _ in knobs.values())
     if M > vocab:
         raise ValueError(f"M = {M} exceeds the vocabulary size {vocab}")
     k = min(k, M) if M > 0 else k
     if k > vocab:
         raise ValueError(f"k = {k} exceeds the vocabulary size {vocab}")
     if method in TREE_METHODS:
-        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
+        if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < vocab:
             raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
+        mask_token_id = int(mask_token_id)
     else:
         mask_token_id = None
     if builder == "heap" and method in TREE_METHODS:
-        scorer = _make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+        scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, P=P)
         return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
     return _build(
-        method, rnd, head, embed, budget=budget, k=k, M=M, P=P, max_depth=max_depth, mask_token_id=mask_token_id
+        method, rnd, head, embed,
+        budget=budget, k=k, M=M, P=P, max_depth=max_depth, mask_token_id=mask_token_id,
     )
 
 

@@ -44,10 +44,17 @@ class DraftRound:
         return self.ph.shape[1]
 
 
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:  # [..., V] -> ([..., k], [..., k] int32)
+    """Stable ``lax.top_k`` behind an optimisation barrier: when only slices of a top-k over a large
+    vocabulary are used later, XLA:CPU otherwise rewrites it into a full sort (~100x slower at V = 151936)."""
+    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    return vals, idx.astype(jnp.int32)
+
+
 def _top_k_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:  # [..., V] -> 2x [..., k]
     """Stable top-k of ``log_softmax(logits)`` in fp32: (indices int32, log-probs)."""
-    lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
-    return idx.astype(jnp.int32), lp
+    lp, idx = _top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return idx, lp
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,16 +165,17 @@ class DominoScorer:
         )
 
 
-def domino_scorer(rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int) -> DominoScorer:
-    """Per-round setup of Domino's conditional scorer (§4.2): prefix menus, top-M candidates, gathered W2 rows.
+def domino_scorer(
+    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int
+) -> DominoScorer:
+    """Per-round setup of Domino's conditional scorer (§4.2): prefix menus, top-M candidates, W2 rows.
 
     ``k`` must already satisfy ``k <= M`` when ``M > 0`` (``build_tree`` clamps it).
     """
     base = rnd.base.astype(jnp.float32)
     prefix = MenuScorer(*_top_k_logprobs(base[:, : min(P, rnd.num_depths)], k))
     if M > 0:
-        logits, cand = jax.lax.top_k(base, M)  # [B, K, M] of the uncorrected base, stable
-        cand = cand.astype(jnp.int32)
+        logits, cand = _top_k(base, M)  # [B, K, M] of the uncorrected base, stable
         w2c = jnp.take(head.w2, cand, axis=0).astype(jnp.float32)  # [B, K, M, E]
     else:
         logits, cand, w2c = base, None, None
@@ -205,7 +213,9 @@ def chain_menus(scorer, depths: int | None = None) -> MenuScorer:
     return MenuScorer(jnp.stack(toks, axis=1), jnp.stack(lps, axis=1))
 
 
-def condstatic_scorer(rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int) -> MenuScorer:
-    """§4.8 ablation: Domino's correction evaluated once per depth along the greedy Domino chain and shared by
-    every node at that depth (same top-M restriction), isolating the effect of path dependence."""
+def condstatic_scorer(
+    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int
+) -> MenuScorer:
+    """§4.8 ablation: Domino's correction evaluated once per depth along the greedy Domino chain and shared
+    by every node at that depth (same top-M restriction), isolating the effect of path dependence."""
     return chain_menus(domino_scorer(rnd, head, embed, k=k, M=M, P=P))
