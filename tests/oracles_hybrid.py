@@ -1,6 +1,6 @@
-"""Tiny random HF hybrid GDN models (transformers ``Qwen3_5ForCausalLM`` and ``Qwen3NextForCausalLM``), fp32 on
-CPU, with every norm weight, ``A_log``, ``dt_bias`` and conv weight randomised (HF initialises zero-centred norms
-to 0 and gated norms to 1, which would hide ``w`` vs ``1 + w`` mistakes)."""
+"""Tiny random HF hybrid GDN models (transformers ``Qwen3_5ForCausalLM`` and ``Qwen3NextForCausalLM``), fp32
+on CPU, with every norm weight, ``A_log``, ``dt_bias`` and conv weight randomised (HF initialises zero-centred
+norms to 0 and gated norms to 1, which would hide ``w`` vs ``1 + w`` mistakes)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ TINY_HYBRID = dict(
     initializer_range=0.1,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
-TINY_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+TINY_MOE = dict(
+    num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40
+)
 
 
 def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
@@ -46,8 +48,9 @@ def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
 
 
 def tiny_hybrid(kind: str, seed: int = 0, tie: bool = False, **overrides):
-    """``(model, config_dict)``: a tiny HF ``Qwen3_5ForCausalLM`` (``kind="qwen3_5"``, via ``Qwen3_5TextConfig``)
-    or ``Qwen3NextForCausalLM`` (``kind="qwen3_next"``, MoE in every layer), eager attention, fp32, eval mode."""
+    """``(model, config_dict)``: a tiny HF ``Qwen3_5ForCausalLM`` (``kind="qwen3_5"``, via
+    ``Qwen3_5TextConfig``) or ``Qwen3NextForCausalLM`` (``kind="qwen3_next"``, MoE in every layer), eager
+    attention, fp32, eval mode."""
     fields = dict(TINY_HYBRID, tie_word_embeddings=tie, **overrides)
     torch.manual_seed(seed)
     if kind == "qwen3_5":

@@ -2,21 +2,21 @@
 (``qwen3_next``), functional JAX.
 
 Every ``full_attention_interval``-th layer (or as ``layer_types`` says) is gated full attention (per-head
-interleaved ``[q | gate]`` projection, zero-centred q/k norms, partial RoPE, ``o * sigmoid(gate)``); the others
-are Gated DeltaNet token mixers (``models.gdn`` / ``pallas_kernels.tree_gdn``).  MLPs are dense SwiGLU or, for
-Qwen3-Next, a top-k MoE with a sigmoid-gated shared expert.  Layer norms, q/k norms and the final norm are
-zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are regrouped
-to the Qwen3.5 layout at load time, so one forward serves both.
+interleaved ``[q | gate]`` projection, zero-centred q/k norms, partial RoPE, ``o * sigmoid(gate)``); the
+others are Gated DeltaNet token mixers (``models.gdn`` / ``pallas_kernels.tree_gdn``).  MLPs are dense SwiGLU
+or, for Qwen3-Next, a top-k MoE with a sigmoid-gated shared expert.  Layer norms, q/k norms and the final norm
+are zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are
+regrouped to the Qwen3.5 layout at load time, so one forward serves both.
 
 Phases (``decode.py`` drives them):
-  * ``prefill(params, cfg, tokens, cache, prompt_lens, taps)``: right-padded prompts, chunked GDN with the gates
-    zeroed past each request's length, attention K/V at rows ``[0, P)``;
+  * ``prefill(params, cfg, tokens, cache, prompt_lens, taps)``: right-padded prompts, chunked GDN with the
+    gates zeroed past each request's length, attention K/V at rows ``[0, P)``;
   * ``forward(...)`` = tree verify (decode is the 1-node tree): parents come from ``local_mask`` (the deepest
     proper ancestor), GDN runs along the tree from the committed conv/recurrent state without changing it, and
     the per-node data the commit needs is returned in ``cache.pending``;
-  * ``commit(cfg, cache, lens, path, num_emitted)``: compacts the accepted attention K/V and sets each GDN layer's
-    committed state to the one after node ``path[num_emitted - 1]`` (rows with ``num_emitted == 0`` keep theirs);
-    it clears ``pending``, so the cache keeps one pytree structure across decode rounds.
+  * ``commit(cfg, cache, lens, path, num_emitted)``: compacts the accepted attention K/V and sets each GDN
+    layer's committed state to the one after node ``path[num_emitted - 1]`` (rows with ``num_emitted == 0``
+    keep theirs); it clears ``pending``, so the cache keeps one pytree structure across decode rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ import jax.numpy as jnp
 
 from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
-from dtree_jax.models.layers import Leaf, abstract_leaf, apply_rope, attend, hf_leaf, rope_tables, swiglu, write_rows
+from dtree_jax.models.layers import (
+    Leaf,
+    abstract_leaf,
+    apply_rope,
+    attend,
+    hf_leaf,
+    rope_tables,
+    swiglu,
+    write_rows,
+)
 from dtree_jax.verify import compact_kv
 from pallas_kernels.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mixer
 
@@ -65,7 +74,7 @@ class Qwen35Config:
     linear_v_head_dim: int  # dv
     linear_conv_kernel: int  # Kc
     fused_gdn_proj: bool = False  # checkpoint has qwen3_next's grouped in_proj_qkvz / in_proj_ba
-    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (qwen3_next) instead of dense SwiGLU; () = all dense
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (qwen3_next), else dense SwiGLU; () = all dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -77,23 +86,30 @@ class Qwen35Config:
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers) or (False,) * self.num_layers)
+        moe = tuple(bool(m) for m in self.moe_layers) or (False,) * self.num_layers
+        object.__setattr__(self, "moe_layers", moe)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, LINEAR}:
-            raise ValueError(f"layer_types must be {self.num_layers} of {FULL!r}/{LINEAR!r}, got {self.layer_types}")
+            raise ValueError(
+                f"layer_types must be {self.num_layers} of {FULL!r}/{LINEAR!r}, got {self.layer_types}"
+            )
         if len(self.moe_layers) != self.num_layers:
             raise ValueError(f"moe_layers must have {self.num_layers} entries, got {len(self.moe_layers)}")
         if any(self.moe_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"MoE needs 0 < num_experts_per_tok <= num_experts, got "
                              f"{self.num_experts_per_tok} and {self.num_experts}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.linear_num_v_heads % self.linear_num_k_heads:
             raise ValueError(f"linear_num_value_heads={self.linear_num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={self.linear_num_k_heads}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+            raise ValueError(
+                f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
 
     @property
     def attn_layers(self) -> tuple[int, ...]:
@@ -106,11 +122,12 @@ class Qwen35Config:
     @property
     def conv_dim(self) -> int:
         """Conv channels ``C = 2 * Hk * dk + Hv * dv`` (packed ``[q | k | v]``)."""
-        return 2 * self.linear_num_k_heads * self.linear_k_head_dim + self.linear_num_v_heads * self.linear_v_head_dim
+        key_dim = self.linear_num_k_heads * self.linear_k_head_dim
+        return 2 * key_dim + self.linear_num_v_heads * self.linear_v_head_dim
 
     @property
     def gdn_impl(self) -> str:
-        """``tree_gdn_mixer``'s impl: the Pallas kernel (interpreted on CPU) when ``attention_impl == "pallas"``."""
+        """``tree_gdn_mixer``'s impl: the Pallas kernel (interpret mode on CPU) if attention_impl="pallas"."""
         if self.attention_impl == "pallas":
             return "interpret" if jax.default_backend() == "cpu" else "pallas"
         return "xla"
@@ -140,6 +157,7 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
     rp = text.get("rope_parameters") or {}
     factor = float(rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
     experts = int(text.get("num_experts", 0) or 0) if model_type == "qwen3_next" else 0
+    moe_int = lambda key: int(text.get(key, 0) or 0) if experts else 0
     step, only = int(text.get("decoder_sparse_step", 1) or 1), set(text.get("mlp_only_layers") or ())
     tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     fields = dict(
@@ -163,9 +181,9 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
         fused_gdn_proj=model_type in FUSED_MODEL_TYPES,
         moe_layers=tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(n)),
         num_experts=experts,
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0) if experts else 0,
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0) if experts else 0,
-        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if experts else 0,
+        num_experts_per_tok=moe_int("num_experts_per_tok"),
+        moe_intermediate_size=moe_int("moe_intermediate_size"),
+        shared_expert_intermediate_size=moe_int("shared_expert_intermediate_size"),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
     )
     fields.update(overrides)
@@ -240,7 +258,11 @@ class Qwen35Params:
 
 
 def _mlp_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}gate_proj.weight": (i, h), f"{prefix}up_proj.weight": (i, h), f"{prefix}down_proj.weight": (h, i)}
+    return {
+        f"{prefix}gate_proj.weight": (i, h),
+        f"{prefix}up_proj.weight": (i, h),
+        f"{prefix}down_proj.weight": (h, i),
+    }
 
 
 def _layer_hf_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
@@ -258,7 +280,9 @@ def _layer_hf_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
         hv, dv, c = cfg.linear_num_v_heads, cfg.linear_v_head_dim, cfg.conv_dim
         la = "linear_attn."
         if cfg.fused_gdn_proj:
-            shapes.update({f"{la}in_proj_qkvz.weight": (c + hv * dv, h), f"{la}in_proj_ba.weight": (2 * hv, h)})
+            shapes.update(
+                {f"{la}in_proj_qkvz.weight": (c + hv * dv, h), f"{la}in_proj_ba.weight": (2 * hv, h)}
+            )
         else:
             shapes.update({f"{la}in_proj_qkv.weight": (c, h), f"{la}in_proj_z.weight": (hv * dv, h),
                            f"{la}in_proj_b.weight": (hv, h), f"{la}in_proj_a.weight": (hv, h)})
@@ -290,7 +314,7 @@ def hf_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
 
 
 def _apply(fn: Callable, *xs):
-    """``fn(*xs)`` on arrays, or its ``jax.ShapeDtypeStruct`` result on abstract leaves (``abstract_params``)."""
+    """``fn(*xs)`` on arrays, or its ``jax.ShapeDtypeStruct`` result on abstract leaves (abstract_params)."""
     if isinstance(xs[0], jax.ShapeDtypeStruct):
         return jax.eval_shape(fn, *xs)
     return fn(*xs)
@@ -324,14 +348,18 @@ def _load_gdn(cfg: Qwen35Config, leaf: Leaf, p: str) -> GDNParams:
     return GDNParams(
         w_qkv=w_qkv, w_z=w_z, w_b=w_b, w_a=w_a,
         conv_w=_apply(lambda w: w[:, 0, :], leaf(p + "conv1d.weight", False)),
-        A_log=leaf(p + "A_log", False), dt_bias=leaf(p + "dt_bias", False), norm=leaf(p + "norm.weight", False),
+        A_log=leaf(p + "A_log", False),
+        dt_bias=leaf(p + "dt_bias", False),
+        norm=leaf(p + "norm.weight", False),
         w_out=leaf(p + "out_proj.weight", True),
     )
 
 
 def _load_attn(leaf: Leaf, p: str) -> AttnParams:
     return AttnParams(
-        wq=leaf(p + "q_proj.weight", True), wk=leaf(p + "k_proj.weight", True), wv=leaf(p + "v_proj.weight", True),
+        wq=leaf(p + "q_proj.weight", True),
+        wk=leaf(p + "k_proj.weight", True),
+        wv=leaf(p + "v_proj.weight", True),
         wo=leaf(p + "o_proj.weight", True), q_norm=leaf(p + "q_norm.weight", False),
         k_norm=leaf(p + "k_norm.weight", False),
     )
@@ -358,7 +386,10 @@ def _build(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        mixer = _load_attn(leaf, p + "self_attn.") if cfg.layer_types[i] == FULL else _load_gdn(cfg, leaf, p + "linear_attn.")
+        if cfg.layer_types[i] == FULL:
+            mixer = _load_attn(leaf, p + "self_attn.")
+        else:
+            mixer = _load_gdn(cfg, leaf, p + "linear_attn.")
         mlp = _load_moe(cfg, leaf, p + "mlp.") if cfg.moe_layers[i] else _load_dense(leaf, p + "mlp.")
         layers.append(HybridLayer(leaf(p + "input_layernorm.weight", False), mixer,
                                   leaf(p + "post_attention_layernorm.weight", False), mlp))
@@ -432,7 +463,7 @@ def init_cache(cfg: Qwen35Config, batch: int, max_len: int) -> HybridCache:
 
 
 def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm (``Qwen3NextRMSNorm``): ``(rmsnorm(x) * (1 + w))`` in fp32, cast to ``x.dtype``."""
+    """Zero-centred RMSNorm (``Qwen3NextRMSNorm``): ``rmsnorm(x) * (1 + w)`` in fp32, cast to ``x.dtype``."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
@@ -474,8 +505,9 @@ def gdn_project(
 
 
 def moe(p: MoEMLP, cfg: Qwen35Config, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-    """Qwen3-Next sparse MoE: fp32 softmax router, top-k (renormalised if ``norm_topk_prob``), experts as grouped
-    matmuls (``lax.ragged_dot`` over token-expert pairs sorted by expert), plus ``sigmoid(gate) * shared(x)``."""
+    """Qwen3-Next sparse MoE: fp32 softmax router, top-k (renormalised if ``norm_topk_prob``), experts as
+    grouped matmuls (``lax.ragged_dot`` over token-expert pairs sorted by expert), plus
+    ``sigmoid(gate) * shared(x)``."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     k = cfg.num_experts_per_tok
@@ -538,7 +570,7 @@ def _check(cfg: Qwen35Config, tokens, positions, cache: HybridCache, lens, local
 
 
 def _run(params, cfg, tokens, positions, cache, lens, local_mask, taps, gdn):
-    """The layer stack; ``gdn(i, p, qkv, z, a, b) -> (y [B, T, Hv, dv], extra)`` runs GDN layer ``i``'s core."""
+    """The layer stack; ``gdn(j, p, qkv, z, a, b) -> (y [B, T, Hv, dv], extra)`` runs the j-th GDN core."""
     b, t = tokens.shape
     x = embed(params, tokens).astype(cfg.dtype)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -575,8 +607,8 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, HybridCache]:
     """Tree verify (decode = a 1-node tree): ``(logits [B, T, V] fp32, feats [B, T, len(taps) * H], cache)``.
 
-    Each node sees the committed sequence plus its root -> node path (attention via ``local_mask``, GDN conv and
-    recurrence along parent pointers derived from it).  The returned cache has the T new K/V rows at
+    Each node sees the committed sequence plus its root -> node path (attention via ``local_mask``, GDN conv
+    and recurrence along parent pointers derived from it).  The returned cache has the T new K/V rows at
     ``[lens, lens + T)``, the committed GDN states unchanged, and ``pending`` set for ``commit``.
     ``feats`` concatenates the residual stream after each tapped layer, in ``taps`` order.
     """
@@ -614,7 +646,8 @@ def commit(
     last = jnp.clip(jnp.take_along_axis(path, jnp.maximum(num_emitted - 1, 0)[:, None], axis=1)[:, 0], 0)
     keep = num_emitted > 0
     convs, states = [], []
-    for windows, stash, conv0, state0 in zip(cache.pending.windows, cache.pending.stash, cache.conv, cache.state):
+    pending = cache.pending
+    for windows, stash, conv0, state0 in zip(pending.windows, pending.stash, cache.conv, cache.state):
         conv1, state1 = commit_tree_gdn(windows, stash, state0, last)
         convs.append(jnp.where(keep[:, None, None], conv1.astype(conv0.dtype), conv0))
         states.append(jnp.where(keep[:, None, None, None], state1, state0))
@@ -630,9 +663,9 @@ def prefill(
     taps: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array, HybridCache]:
     """Prompt pass: ``(logits [B, P, V] fp32, feats [B, P, len(taps) * H], cache)`` with K/V rows ``[0, P)``
-    written (the caller's ``lens = prompt_lens`` covers the real ones) and every GDN layer's committed state set
-    to the one after the request's last real token (chunked delta rule with ``g = beta = 0`` on padding; the conv
-    state is the last ``Kc-1`` real inputs).  Outputs at padded positions are garbage."""
+    written (the caller's ``lens = prompt_lens`` covers the real ones) and every GDN layer's committed state
+    set to the one after the request's last real token (chunked delta rule with ``g = beta = 0`` on padding;
+    the conv state is the last ``Kc-1`` real inputs).  Outputs at padded positions are garbage."""
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
