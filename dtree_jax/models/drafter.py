@@ -74,7 +74,9 @@ def hf_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _build(cfg: DrafterConfig, leaf: Leaf) -> DrafterParams:
+def build_params(cfg: DrafterConfig, leaf: Leaf) -> DrafterParams:
+    """The params pytree with each leaf made by ``leaf(hf_key, transpose)``: real tensors, abstract shapes, or
+    the HF key itself (``dtree_jax.train.hf_tensors`` uses that to export)."""
     head = None
     if cfg.has_head:
         head = DominoHead(
@@ -94,12 +96,12 @@ def _build(cfg: DrafterConfig, leaf: Leaf) -> DrafterParams:
 
 def params_from_hf(cfg: DrafterConfig, get: Callable[[str], Any], dtype) -> DrafterParams:
     """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
-    return _build(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
+    return build_params(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
 
 
 def abstract_params(cfg: DrafterConfig, dtype) -> DrafterParams:
     """``DrafterParams`` of ``jax.ShapeDtypeStruct``."""
-    return _build(cfg, abstract_leaf(hf_shapes(cfg), dtype))
+    return build_params(cfg, abstract_leaf(hf_shapes(cfg), dtype))
 
 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:

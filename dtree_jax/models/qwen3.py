@@ -57,7 +57,9 @@ def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _build(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
+def build_params(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
+    """The params pytree with each leaf made by ``leaf(hf_key, transpose)``: real tensors, abstract shapes, or
+    the HF key itself (``dtree_jax.train.hf_tensors`` uses that to export)."""
     return Qwen3Params(
         embed=leaf("model.embed_tokens.weight", False),
         layers=tuple(load_layer(leaf, f"model.layers.{i}.") for i in range(cfg.num_layers)),
@@ -68,12 +70,12 @@ def _build(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
 
 def params_from_hf(cfg: Qwen3Config, get: Callable[[str], Any], dtype) -> Qwen3Params:
     """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
-    return _build(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
+    return build_params(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
 
 
 def abstract_params(cfg: Qwen3Config, dtype) -> Qwen3Params:
     """``Qwen3Params`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
-    return _build(cfg, abstract_leaf(hf_shapes(cfg), dtype))
+    return build_params(cfg, abstract_leaf(hf_shapes(cfg), dtype))
 
 
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
