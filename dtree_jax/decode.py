@@ -246,9 +246,11 @@ def _prefill(spec: Spec, tparams, dparams, prompts, prompt_lens, key, temperatur
     cache = tg.init_cache(spec.target_cfg, b, spec.cache_len)
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
-    logits, feats, cache = tg.forward(tparams, spec.target_cfg, prompts, positions, cache, zeros, causal, spec.taps)
-    cache = commit_target(spec, cache, zeros, positions, prompt_lens)
+    if hasattr(tg, "prefill"):  # recurrent targets: chunked prefill that commits their state
+        logits, feats, cache = tg.prefill(tparams, spec.target_cfg, prompts, cache, prompt_lens, spec.taps)
+    else:
+        causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
+        logits, feats, cache = tg.forward(tparams, spec.target_cfg, prompts, positions, cache, zeros, causal, spec.taps)
     key, sub = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     root = sample_tokens(sub, last_logits, temperature, spec.top_k, spec.top_p)

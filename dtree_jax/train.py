@@ -246,8 +246,7 @@ class _Key:
 
 def hf_tensors(module, cfg, params) -> dict[str, np.ndarray]:
     """Inverse of ``module.params_from_hf``: HF key -> HF-layout numpy array (``[out, in]`` Linear weights)."""
-    keys = getattr(module, "build_params", None) or module._build
-    keys = keys(cfg, _Key)
+    keys = module.build_params(cfg, _Key)
     pairs = jax.tree_util.tree_map(lambda k, p: (k, p), keys, params, is_leaf=lambda x: isinstance(x, _Key))
     out = {}
     for k, p in jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], _Key)):

@@ -59,8 +59,10 @@ def test_greedy_lossless_with_random_drafter(models, ar_tokens, method):
     assert got.tokens[1] == want1
 
 
-def _oracle_draft(reference: np.ndarray, original):
-    """A drafter that knows the target's continuation at 4 of every 5 positions (noise at the 5th)."""
+def _oracle_draft(reference: np.ndarray, original, decoy: bool = False):
+    """A drafter that knows the target's continuation at 4 of every 5 positions (noise at the 5th).  With
+    ``decoy``, at every 3rd position a wrong token outranks the truth, so accepted paths take second-rank
+    branches and are not contiguous in node order."""
     ref = jnp.asarray(reference)
 
     def draft(spec, tparams, dparams, state):
@@ -70,6 +72,8 @@ def _oracle_draft(reference: np.ndarray, original):
         known = (pos % 5) != 4
         truth = jnp.take_along_axis(ref, jnp.clip(pos, 0, ref.shape[1] - 1), axis=1)
         boost = 30.0 * jax.nn.one_hot(truth, v) * known[..., None]
+        if decoy:
+            boost += 31.0 * jax.nn.one_hot((truth + 1) % v, v) * ((pos % 3) == 1)[..., None]
         return rnd.__class__(ph=rnd.ph, base=rnd.base + boost, root_state=rnd.root_state, root=rnd.root)
 
     return draft

@@ -382,7 +382,7 @@ def _load_moe(cfg: Qwen35Config, leaf: Leaf, p: str) -> MoEMLP:
     )
 
 
-def _build(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
+def build_params(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -404,12 +404,12 @@ def _build(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
 def params_from_hf(cfg: Qwen35Config, get: Callable[[str], Any], dtype) -> Qwen35Params:
     """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)`` (Qwen3-Next's fused
     GDN projections are regrouped and MoE experts stacked here)."""
-    return _build(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
+    return build_params(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
 
 
 def abstract_params(cfg: Qwen35Config, dtype) -> Qwen35Params:
     """``Qwen35Params`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
-    return _build(cfg, abstract_leaf(hf_shapes(cfg), dtype))
+    return build_params(cfg, abstract_leaf(hf_shapes(cfg), dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------
