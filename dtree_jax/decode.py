@@ -17,6 +17,7 @@ not known until it is verified.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import time
@@ -448,13 +449,62 @@ def make_spec(
     return dataclasses.replace(spec, cache_len=cache_len)
 
 
+CALIBRATION_FILE = "calibration.json"
+
+
+def auto_budget(calibration: dict, batch: int) -> int:
+    """The node budget ``cost.choose_budget`` picks for ``batch`` from a calibration measured on this machine:
+    ``{"tau_by_budget": {budget: tau}, "round_seconds": {batch: {budget: seconds per round}}}``.  Seconds for
+    an unmeasured batch are interpolated log-linearly between measured batches (proportionally beyond)."""
+    from dtree_jax.cost import choose_budget
+
+    try:
+        taus = {int(b): float(t) for b, t in calibration["tau_by_budget"].items()}
+        table = {int(bs): {int(b): float(t) for b, t in row.items()} for bs, row in calibration["round_seconds"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed calibration (need tau_by_budget and round_seconds): {e}") from e
+    batches = sorted(table)
+    if not batches or any(set(table[b]) < set(taus) for b in batches):
+        raise ValueError("calibration round_seconds must cover every budget in tau_by_budget at every batch")
+
+    def seconds(b: int, verify_tokens: int) -> float:
+        budget = verify_tokens - 1
+        if b <= batches[0]:
+            return table[batches[0]][budget]
+        if b >= batches[-1]:
+            return table[batches[-1]][budget] * b / batches[-1]
+        hi = next(x for x in batches if x >= b)
+        lo = max(x for x in batches if x <= b)
+        if hi == lo:
+            return table[lo][budget]
+        w = (np.log(b) - np.log(lo)) / (np.log(hi) - np.log(lo))
+        return float(np.exp((1 - w) * np.log(table[lo][budget]) + w * np.log(table[hi][budget])))
+
+    return choose_budget(batch, taus, seconds)
+
+
+def _load_calibration(calibration, drafter: Model | None) -> dict:
+    import json
+    import pathlib
+
+    if isinstance(calibration, dict):
+        return calibration
+    path = calibration or (drafter and drafter.path and pathlib.Path(drafter.path) / CALIBRATION_FILE)
+    if not path or not pathlib.Path(path).is_file():
+        raise ValueError(
+            f"budget='auto' needs a calibration ({CALIBRATION_FILE} beside the drafter, or calibration=...); "
+            "experiments/run_experiments.py measures one"
+        )
+    return json.loads(pathlib.Path(path).read_text())
+
+
 def generate(
     target,
     prompts: Sequence[Sequence[int]],
     method: str = "dominotree",
     drafter=None,
     *,
-    budget: int = 32,
+    budget: int | str = 32,
     node_topk: int = 8,
     corr_topm: int = 64,
     max_depth: int | None = None,
@@ -467,6 +517,7 @@ def generate(
     prompt_bucket: int | None = None,
     cache_len: int | None = None,
     instrument: bool = False,
+    calibration: dict | str | None = None,
 ) -> Generation:
     """Generates continuations of ``prompts`` (token-id lists) with ``method`` on device.
 
@@ -491,6 +542,8 @@ def generate(
         raise ValueError(f"prompt_bucket {prompt_bucket} is shorter than the longest prompt ({longest})")
     if stop_ids is None:
         stop_ids = target.eos_token_ids
+    if budget == "auto":
+        budget = auto_budget(_load_calibration(calibration, drafter), len(prompts))
     spec = make_spec(
         target, drafter, method, budget=budget, node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth,
         max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p,
@@ -529,6 +582,7 @@ def generate(
                 seconds=seconds,
                 tokens_per_second=len(toks) / seconds if seconds > 0 else float("nan"),
                 stop_reason=STOP_REASONS[int(reasons[i])],
+                budget=spec.budget if method in TREE_METHODS else None,
             )
         )
     return Generation(tokens, stats, compile_seconds, stage_seconds)
@@ -565,7 +619,12 @@ def _load_tokenizer(*paths):
 
 def _read_prompts(args, tokenizer) -> list[list[int]]:
     if args.prompt_ids:
-        return [[int(t) for t in args.prompt_ids.split(",")]]
+        try:
+            return [[int(t) for t in args.prompt_ids.split(",")]]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if args.prompt is None and args.prompts_file is None:
+        args.prompt = DEFAULT_PROMPT
     texts = [args.prompt] if args.prompt is not None else open(args.prompts_file).read().splitlines()
     texts = [t for t in texts if t.strip()] if args.prompts_file else texts
     if tokenizer is None:
@@ -577,27 +636,47 @@ def _run_cli(args) -> int:
     import json
     import sys
 
+    shipped = args.target is None
     target_path = args.target or _shipped(SHIPPED_TARGET)
     drafter_path = args.drafter or (None if args.method == "ar" else _shipped(SHIPPED_DRAFTER))
     target = _as_model(target_path)
     drafter = _as_model(drafter_path) if drafter_path else None
     tokenizer = _load_tokenizer(target_path)
     prompts = _read_prompts(args, tokenizer)
-    result = generate(
-        target, prompts, args.method, drafter, budget=args.budget, node_topk=args.k, corr_topm=args.m,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-    )
-    for toks, st in zip(result.tokens, result.stats):
+    knobs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 max_new_tokens=args.max_new_tokens)
+    result = generate(target, prompts, args.method, drafter, budget=args.budget, node_topk=args.k, corr_topm=args.m,
+                      **knobs)
+    compare = shipped if args.compare_ar is None else args.compare_ar
+    baseline = generate(target, prompts, "ar", **knobs) if compare and args.method != "ar" else None
+    for i, (toks, st) in enumerate(zip(result.tokens, result.stats)):
         text = tokenizer.decode(toks) if tokenizer is not None else None
+        speedup = st["tokens_per_second"] / baseline.stats[i]["tokens_per_second"] if baseline else None
         if args.json:
             print(json.dumps(dict(tokens=toks, text=text, rounds=st["rounds"], tau=st["tau"], seconds=st["seconds"],
-                                  stop_reason=st["stop_reason"])))
-        else:
-            sys.stdout.write((text if text is not None else " ".join(map(str, toks))) + "\n")
-            print(f"[{args.method}] {st['generated']} tokens in {st['rounds']} rounds, tau {st['tau']:.2f}, "
-                  f"{st['tokens_per_second']:.1f} tok/s, stop: {st['stop_reason']}", file=sys.stderr)
+                                  tokens_per_second=st["tokens_per_second"], stop_reason=st["stop_reason"],
+                                  budget=st["budget"], speedup_vs_ar=speedup)))
+            continue
+        sys.stdout.write((text if text is not None else " ".join(map(str, toks))) + "\n")
+        label = args.method if st["budget"] is None else f"{args.method} budget {st['budget']}"
+        line = (f"[{label}] {st['generated']} tokens in {st['rounds']} rounds, tau {st['tau']:.2f}, "
+                f"{st['tokens_per_second']:.1f} tok/s")
+        if speedup is not None:
+            line += f", {speedup:.2f}x ar ({baseline.stats[i]['tokens_per_second']:.1f} tok/s)"
+        print(line + f", stop: {st['stop_reason']}", file=sys.stderr)
     return 0
+
+
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv=None):\n    "
+
+
+def _budget_arg(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget must be an integer or 'auto', got {value!r}") from None
 
 
 def add_cli(sub) -> None:
@@ -605,7 +684,8 @@ def add_cli(sub) -> None:
     p.add_argument("--target", help="converted or HF target checkpoint (default: the shipped pair)")
     p.add_argument("--drafter", help="converted or HF DFlash/Domino drafter (default: the shipped pair)")
     p.add_argument("--method", choices=METHODS, default="dominotree")
-    p.add_argument("--budget", type=int, default=32, help="non-root tree nodes (tree methods)")
+    p.add_argument("--budget", type=_budget_arg, default=32,
+                   help="non-root tree nodes (tree methods), or 'auto' (cost model fed this machine's calibration)")
     p.add_argument("--k", type=int, default=8, help="children per node (node_topk)")
     p.add_argument("--m", type=int, default=64, help="Domino candidate width (0 = full vocabulary)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -613,7 +693,9 @@ def add_cli(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    src = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run ar on the same prompts and report the speedup (default: on for the shipped pair)")
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="text prompt (uses tokenizer.json of the target)")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     src.add_argument("--prompts-file", help="one text prompt per line")

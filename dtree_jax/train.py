@@ -53,14 +53,17 @@ def _byte_chars() -> list[str]:
 
 
 def tokenizer_json() -> str:
-    """A HF ``tokenizer.json`` mapping byte b to id b and the four specials to 256..259."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """A HF ``tokenizer.json`` mapping byte b to id b and the four specials to 256..259; encoding prepends
+    ``<|bos|>``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {c: i for i, c in enumerate(_byte_chars())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    # Documents start with <|bos|> in training, so encoding a prompt does too.
+    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIALS[0]} $A", special_tokens=[(SPECIALS[0], BOS)])
     return tok.to_str()
 
 

@@ -184,3 +184,26 @@ def test_cli_generate_json(models, tmp_path, capsys):
     assert rc == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(row["tokens"]) == 12 and row["rounds"] >= 1 and row["tau"] >= 1
+
+
+def test_auto_budget_is_wide_at_small_batch_and_shrinks():
+    taus = {4: 2.0, 8: 2.6, 16: 3.0, 32: 3.2}
+    # A memory-bound machine: a round costs 1 ms plus 0.02 ms per verified token beyond 512 tokens.
+    seconds = lambda b, n: 1e-3 + 2e-5 * max(0, b * (n + 1) - 512)
+    cal = dict(tau_by_budget=taus, round_seconds={bs: {n: seconds(bs, n) for n in taus} for bs in (1, 4, 16, 64)})
+    chosen = [decode.auto_budget(cal, b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert chosen[0] == 32 and chosen[-1] == 4
+    assert all(x >= y for x, y in zip(chosen, chosen[1:]))
+    with pytest.raises(ValueError, match="calibration"):
+        decode.auto_budget(dict(tau_by_budget=taus), 1)
+
+
+def test_generate_auto_budget_uses_the_calibration(models):
+    _, target, draft = models
+    cal = dict(tau_by_budget={2: 1.5, 6: 3.0}, round_seconds={1: {2: 1.0, 6: 1.0}, 8: {2: 1.0, 6: 10.0}})
+    one = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
+    assert one.stats[0]["budget"] == 6
+    eight = generate(target, PROMPTS[:1] * 8, "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
+    assert eight.stats[0]["budget"] == 2
+    with pytest.raises(ValueError, match="calibration"):
+        generate(target, PROMPTS, "dominotree", draft, budget="auto", max_new_tokens=4)

@@ -17,8 +17,8 @@ def test_tokenizer_is_bytes_plus_specials():
 
     tok = Tokenizer.from_str(train.tokenizer_json())
     text = "def f(x):\n    return x  # é\t"
-    assert tok.encode(text).ids == train.encode(text)
-    assert tok.encode("<|mask|><|eos|>").ids == [train.MASK, train.EOS]
+    assert tok.encode(text).ids == [train.BOS] + train.encode(text)
+    assert tok.encode("<|mask|><|eos|>").ids == [train.BOS, train.MASK, train.EOS]
     assert tok.decode(train.encode(text)) == text
 
 
