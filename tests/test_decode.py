@@ -207,3 +207,15 @@ def test_generate_auto_budget_uses_the_calibration(models):
     assert eight.stats[0]["budget"] == 2
     with pytest.raises(ValueError, match="calibration"):
         generate(target, PROMPTS, "dominotree", draft, budget="auto", max_new_tokens=4)
+
+
+def test_pallas_attention_in_interpret_mode_stays_lossless(models, ar_tokens):
+    """The decode loop on the Pallas tree-attention kernel (interpret mode on CPU), target and drafter."""
+    import dataclasses
+
+    _, target, draft = models
+    pallas_target = Model("qwen3", dataclasses.replace(target.cfg, attention_impl="pallas"), target.params)
+    dcfg = dataclasses.replace(draft.cfg, model=dataclasses.replace(draft.cfg.model, attention_impl="pallas"))
+    pallas_draft = Model("drafter", dcfg, draft.params)
+    got = generate(pallas_target, PROMPTS, "dominotree", pallas_draft, budget=8, max_new_tokens=12, stop_ids=())
+    assert got.tokens == [t[:12] for t in ar_tokens]

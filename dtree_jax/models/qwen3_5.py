@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
+from dtree_jax.models.qwen3 import embed, lm_head  # same embedding/head layout as the dense target
 from dtree_jax.models.layers import (
     Leaf,
     abstract_leaf,
@@ -542,18 +543,6 @@ def parents_from_mask(local_mask: jax.Array) -> jax.Array:  # [B, T, T] -> [B, T
 # ----------------------------------------------------------------------------------------------------------
 # Model API
 # ----------------------------------------------------------------------------------------------------------
-
-
-def embed(params: Qwen35Params, tokens: jax.Array) -> jax.Array:
-    """Token embeddings ``tokens [...]`` -> ``[..., H]`` (the params' dtype)."""
-    return jnp.take(params.embed, tokens, axis=0)
-
-
-def lm_head(params: Qwen35Params, cfg: Qwen35Config, x: jax.Array) -> jax.Array:
-    """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``."""
-    if cfg.tie_word_embeddings:
-        return jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def _check(cfg: Qwen35Config, tokens, positions, cache: HybridCache, lens, local_mask, taps) -> None:
