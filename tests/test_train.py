@@ -87,3 +87,15 @@ def test_smoke_run_trains_and_generates(tmp_path, monkeypatch):
     got = generate(str(tmp_path / "tiny-target"), [[train.BOS, 100, 101]], "dominotree", str(tmp_path / "tiny-domino"),
                    budget=4, max_new_tokens=4)
     assert len(got.tokens[0]) >= 1
+
+
+def test_shipped_pair_runs_the_main_job(capsys):
+    """`dtree-jax generate` with no model arguments uses checkpoints/ and reports the speedup over ar."""
+    import json
+
+    from dtree_jax.cli import main
+
+    assert main(["generate", "--max-new-tokens", "24", "--budget", "8", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(row["tokens"]) == 24 and row["text"] and row["speedup_vs_ar"] > 0
+    assert row["tau"] > 1.0  # the trained drafter gets drafts accepted
