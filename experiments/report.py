@@ -22,7 +22,7 @@ def _table(header, rows):
 def main() -> None:
     d = _load("exp_budgets.json")
     if d:
-        print("### tau and tokens/s vs budget (batch 1)\n")
+        print(f"### tau and tokens/s vs budget (a batch of {d['rows'][0]['batch']} prompts)\n")
         print(_table(["method", "budget", "tau", "tokens/s", "speedup vs ar", "output = ar"],
                      [[r["method"], r["budget"] or "-", f"{r['tau']:.2f}", f"{r['tokens_per_second']:.0f}",
                        f"{r['speedup_vs_ar']:.2f}x", "yes" if r.get("matches_ar") else "NO"] for r in d["rows"]]))

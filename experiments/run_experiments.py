@@ -99,6 +99,12 @@ def part_budgets(run: Runner, budgets) -> list[dict]:
     ar = rows[0]["tokens_per_second"]
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar
+    plot_budgets(rows)
+    return rows
+
+
+def plot_budgets(rows: list[dict]) -> None:
+    """tau and tokens/s vs budget for the trees, with the chains and ar as horizontal lines."""
 
     def draw(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -109,7 +115,7 @@ def part_budgets(run: Runner, budgets) -> list[dict]:
         for r, c in zip(rows[:3], ("gray", "tab:green", "tab:red")):
             a.axhline(r["tau"], color=c, ls=":", label=r["method"])
             b.axhline(r["tokens_per_second"], color=c, ls=":", label=r["method"])
-        for ax, yl in ((a, "tau (tokens per round)"), (b, "tokens/s (batch 1, CPU)")):
+        for ax, yl in ((a, "tau (tokens per round)"), (b, f"tokens/s (batch {rows[0]['batch']}, CPU)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("node budget")
             ax.set_ylabel(yl)
@@ -117,7 +123,6 @@ def part_budgets(run: Runner, budgets) -> list[dict]:
         return fig, (a, b)
 
     plot("budgets", draw)
-    return rows
 
 
 def part_width(run: Runner, budget) -> list[dict]:
@@ -150,7 +155,7 @@ def calibrate(target, drafter, prompts, budgets, batches, max_new) -> dict:
 
 def part_goodput(target, drafter, eval_prompts, calib_prompts, budgets, batches, max_new, repeats) -> dict:
     t0 = time.perf_counter()
-    cal = calibrate(target, drafter, calib_prompts, budgets, batches, max_new // 2)
+    cal = calibrate(target, drafter, calib_prompts, budgets, batches, max_new)
     cal_seconds = time.perf_counter() - t0
     if drafter.path:
         (pathlib.Path(drafter.path) / decode.CALIBRATION_FILE).write_text(json.dumps(cal, indent=2) + "\n")
