@@ -219,3 +219,12 @@ def test_pallas_attention_in_interpret_mode_stays_lossless(models, ar_tokens):
     pallas_draft = Model("drafter", dcfg, draft.params)
     got = generate(pallas_target, PROMPTS, "dominotree", pallas_draft, budget=8, max_new_tokens=12, stop_ids=())
     assert got.tokens == [t[:12] for t in ar_tokens]
+
+
+def test_package_exports_generate_lazily():
+    import subprocess
+    import sys
+
+    code = "import sys, dtree_jax; assert 'dtree_jax.decode' not in sys.modules; print(dtree_jax.generate.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "dtree_jax.decode"
