@@ -158,10 +158,15 @@ def _build_tree(spec: Spec, tparams, dparams, rnd: build.DraftRound | None, stat
     )
 
 
+def _write_lens(spec: Spec, state: DecodeState) -> jax.Array:  # [B]
+    """Where this round writes its N tree rows: ``lens``, clamped for finished rows so that their (discarded)
+    writes stay inside the cache instead of being shifted onto committed rows."""
+    return jnp.where(state.done, jnp.minimum(state.lens, spec.cache_len - spec.num_nodes), state.lens)
+
+
 def _verify(spec: Spec, tparams, tree: Tree, state: DecodeState):
     """One target pass over the tree; done rows run on a clamped slot and are discarded later."""
-    capacity = spec.cache_len
-    lens = jnp.where(state.done, jnp.minimum(state.lens, capacity - spec.num_nodes), state.lens)
+    lens = _write_lens(spec, state)
     return spec.target.forward(
         tparams, spec.target_cfg, tree.tokens, tree.positions(lens), state.cache, lens, tree.mask, spec.taps
     )
@@ -189,7 +194,7 @@ def _accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state:
     dcache = state.dcache
     if spec.drafter_cfg is not None:
         path_feats = jnp.take_along_axis(feats, jnp.clip(acc.path, 0)[:, :, None], axis=1)
-        ctx_lens = jnp.where(state.done, jnp.minimum(state.lens, spec.cache_len - n), state.lens)
+        ctx_lens = _write_lens(spec, state)
         dcache = spec.drafter.append_context(
             dparams, spec.drafter_cfg, dcache, ctx_lens, path_feats, ctx_lens[:, None] + pos
         )
@@ -291,7 +296,6 @@ def _generate(spec: Spec, tparams, dparams, prompts, prompt_lens, key, temperatu
 
 generate_on_device = jax.jit(_generate, static_argnums=0)
 prefill_jit = jax.jit(_prefill, static_argnums=0)
-round_jit = jax.jit(_round, static_argnums=0)
 
 
 # ----------------------------------------------------------------------------------------------------------

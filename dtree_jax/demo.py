@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from dtree_jax.cost import DEVICES, break_even_batch, ridge_tokens
 from dtree_jax.tree import expected_accept_length, tree_from_paths
 
@@ -40,5 +38,4 @@ def add_cli(sub) -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(linewidth=120)
     print(run_demo())

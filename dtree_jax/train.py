@@ -249,10 +249,12 @@ class _Key:
 
 def hf_tensors(module, cfg, params) -> dict[str, np.ndarray]:
     """Inverse of ``module.params_from_hf``: HF key -> HF-layout numpy array (``[out, in]`` Linear weights)."""
-    keys = module.build_params(cfg, _Key)
-    pairs = jax.tree_util.tree_map(lambda k, p: (k, p), keys, params, is_leaf=lambda x: isinstance(x, _Key))
+    keys = jax.tree_util.tree_leaves(module.build_params(cfg, _Key))  # _Key is not a pytree: one leaf each
+    params = jax.tree_util.tree_leaves(params)  # same structure, same order
+    if len(keys) != len(params):
+        raise ValueError(f"params have {len(params)} leaves but {module.__name__} describes {len(keys)}")
     out = {}
-    for k, p in jax.tree_util.tree_leaves(pairs, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], _Key)):
+    for k, p in zip(keys, params):
         a = np.asarray(p, np.float32)
         out[k.key] = np.ascontiguousarray(a.T if k.transpose else a)
     return out
