@@ -1,13 +1,15 @@
-"""HF / PyTorch checkpoints -> dtree_jax params, and orbax save/restore of converted models.
+"""HF / PyTorch / GGUF checkpoints -> dtree_jax params, and orbax save/restore of converted models.
 
 An HF model directory holds ``config.json`` and weights as ``model.safetensors``, a sharded set named by
 ``model.safetensors.index.json``, other ``*.safetensors`` files, or PyTorch ``*.bin``/``*.pt`` pickles
-(only these need torch).  The model kind comes from the config (``model_kind``); each kind's module in
-``MODEL_MODULES`` provides ``config_from_hf(d)``, ``hf_shapes(cfg)`` (canonical HF key -> shape),
-``params_from_hf(cfg, get, dtype)`` and ``abstract_params(cfg, dtype)``.  Checkpoint keys are mapped to
-canonical keys (``canonical_key``) and checked against ``hf_shapes`` (missing / unexpected / wrong shape)
-before any tensor is read; tensors are then read one at a time, so peak host memory is about the converted
-params plus one tensor.
+(only these need torch).  A ``*.gguf`` file (llama.cpp) carries its config, tokenizer and (quantised)
+weights in one file; ``dtree_jax.gguf`` presents it as such a checkpoint, and ``model_dir`` converts it once
+into a cache directory (``cache_dir``) that later runs reuse.  The model kind comes from the config
+(``model_kind``); each kind's module in ``MODEL_MODULES`` provides ``config_from_hf(d)``, ``hf_shapes(cfg)``
+(canonical HF key -> shape), ``params_from_hf(cfg, get, dtype)`` and ``abstract_params(cfg, dtype)``.
+Checkpoint keys are mapped to canonical keys (``canonical_key``; GGUF tensor names by the GGUF reader) and
+checked against ``hf_shapes`` (missing / unexpected / wrong shape) before any tensor is read; tensors are then
+read (GGUF: dequantised) one at a time, so peak host memory is about the converted params plus one tensor.
 
 ``convert`` writes ``out/target/`` and ``out/drafter/``, each with ``config.json``, tokenizer files,
 ``params/`` (orbax ``StandardCheckpointer``) and ``dtree_jax.json`` (kind and dtype); ``load_converted``
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -33,12 +37,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+DENSE_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # one module; the kind is the model_type
 MODEL_MODULES = {
-    "qwen3": "dtree_jax.models.qwen3",
+    **{kind: "dtree_jax.models.qwen3" for kind in DENSE_MODEL_TYPES},
     "qwen3_5": "dtree_jax.models.qwen3_5",
     "drafter": "dtree_jax.models.drafter",
 }
-TARGET_KINDS = ("qwen3", "qwen3_5")
+TARGET_KINDS = DENSE_MODEL_TYPES + ("qwen3_5",)
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 DTYPES = ("bfloat16", "float16", "float32")
 INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
@@ -76,17 +81,18 @@ def read_config(path: str | Path) -> dict:
 
 
 def model_kind(config: dict, config_file: str | Path = "config.json") -> str:
-    """``"drafter"`` (DFlash/Domino), ``"qwen3"`` or ``"qwen3_5"`` (hybrid GDN targets) from an HF config."""
+    """``"drafter"`` (DFlash/Domino), a dense ``model_type`` (``"qwen3"``, ``"qwen2"``, ``"llama"``) or
+    ``"qwen3_5"`` (hybrid GDN targets) from an HF config."""
     if "DFlashDraftModel" in (config.get("architectures") or ()) or "dflash_config" in config:
         return "drafter"
     model_type = config.get("model_type")
-    if model_type == "qwen3":
-        return "qwen3"
+    if model_type in DENSE_MODEL_TYPES:
+        return model_type
     if model_type in HYBRID_MODEL_TYPES:
         return "qwen3_5"
     raise ValueError(
-        f"{config_file}: unknown model_type {model_type!r} "
-        f"(supported: 'qwen3', {', '.join(map(repr, HYBRID_MODEL_TYPES))}, or a DFlash drafter)"
+        f"{config_file}: unknown model_type {model_type!r} (supported: "
+        f"{', '.join(map(repr, DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES))}, or a DFlash drafter)"
     )
 
 
@@ -265,6 +271,9 @@ class CheckpointReader:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def canonical(self, kind: str, key: str) -> str | None:
+        return canonical_key(kind, key)
+
     def file(self, key: str) -> Path:
         return self._where[key]
 
@@ -288,24 +297,39 @@ class CheckpointReader:
 # HF -> params
 
 
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
 @dataclasses.dataclass(frozen=True)
 class HFModel:
-    """An HF model directory's config, resolved kind, model module and static config."""
+    """An HF model directory's (or GGUF file's) config, resolved kind, model module and static config."""
 
     path: Path
     config: dict
     kind: str
     module: ModuleType
     cfg: Any
+    gguf: Any = None  # the open ``gguf.GGUFCheckpoint`` when ``path`` is a GGUF file
+
+    @property
+    def config_file(self) -> Path:
+        return self.path if self.gguf is not None else self.path / "config.json"
 
     @classmethod
     def open(cls, path: str | Path) -> HFModel:
         path = Path(path).absolute()
-        config = read_config(path)
-        config_file = path / "config.json"
+        ckpt = None
+        if is_gguf(path):
+            from dtree_jax.gguf import GGUFCheckpoint
+
+            ckpt = GGUFCheckpoint(path)
+            config, config_file = ckpt.config, path
+        else:
+            config, config_file = read_config(path), path / "config.json"
         kind = model_kind(config, config_file)
         module = model_module(kind)
-        return cls(path, config, kind, module, _config_from_hf(module, config, config_file))
+        return cls(path, config, kind, module, _config_from_hf(module, config, config_file), ckpt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,11 +339,12 @@ class ReadStats:
     seconds: float
 
 
-def _match_keys(kind: str, reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> dict[str, str]:
-    """Canonical key -> checkpoint key, after checking the keys and header shapes against ``expected``."""
+def _match_keys(kind: str, reader: Any, expected: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Canonical key -> checkpoint key, after checking the keys and header shapes against ``expected``
+    (``reader``: a ``CheckpointReader`` or a ``gguf.GGUFCheckpoint``)."""
     raw_of: dict[str, str] = {}
     for raw in reader.keys():
-        key = canonical_key(kind, raw)
+        key = reader.canonical(kind, raw)
         if key is None:
             continue
         if key in raw_of:
@@ -360,7 +385,8 @@ def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> 
     start = time.perf_counter()
     dtype = _dtype(dtype, model.config)
     expected = model.module.hf_shapes(model.cfg)
-    with CheckpointReader(model.path) as reader:
+    opened = contextlib.nullcontext(model.gguf) if model.gguf is not None else CheckpointReader(model.path)
+    with opened as reader:
         raw_of = _match_keys(model.kind, reader, expected)
         done: set[str] = set()
         nbytes = 0
@@ -405,7 +431,7 @@ def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tu
     model = HFModel.open(path)
     params, _ = read_params(model, dtype, progress=progress)
     dtype = _dtype(dtype, model.config)
-    return model.kind, _config_from_hf(model.module, model.config, model.path / "config.json", dtype), params
+    return model.kind, _config_from_hf(model.module, model.config, model.config_file, dtype), params
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -415,16 +441,19 @@ def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tu
 def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) -> tuple[str, ReadStats]:
     model = HFModel.open(src)
     if (model.kind == "drafter") != (role == "drafter"):
-        raise ValueError(f"{model.path / 'config.json'}: a {model.kind} model cannot be the {role}")
+        raise ValueError(f"{model.config_file}: a {model.kind} model cannot be the {role}")
     with jax.default_device(jax.devices("cpu")[0]):  # keep the host copy off accelerators
         params, stats = read_params(model, dtype, progress=progress)
     import orbax.checkpoint as ocp
 
     dst.mkdir(parents=True)
-    shutil.copy2(model.path / "config.json", dst / "config.json")
-    for name in TOKENIZER_FILES:
-        if (model.path / name).is_file():
-            shutil.copy2(model.path / name, dst / name)
+    if model.gguf is not None:
+        model.gguf.write_model_files(dst)
+    else:
+        shutil.copy2(model.path / "config.json", dst / "config.json")
+        for name in TOKENIZER_FILES:
+            if (model.path / name).is_file():
+                shutil.copy2(model.path / name, dst / name)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / PARAMS_DIR, params)
         ckptr.wait_until_finished()
@@ -442,7 +471,8 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Converts HF target (and drafter) directories to ``out_dir/target`` (and ``out_dir/drafter``).
+    """Converts an HF target directory or GGUF file (and a drafter directory) to ``out_dir/target`` (and
+    ``out_dir/drafter``).
 
     The result is built in a temporary sibling directory and renamed into place, so ``out_dir`` is untouched
     unless the whole conversion succeeds.  An existing non-empty ``out_dir`` is replaced only with
@@ -512,12 +542,43 @@ def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, A
     return meta["kind"], cfg, params
 
 
+GGUF_CACHE_DTYPE = "float32"  # GGUF weights are dequantised; float32 keeps them exactly
+
+
+def cache_dir() -> Path:
+    """Where GGUF files are converted on the fly: ``$DTREE_JAX_CACHE``, else ``$XDG_CACHE_HOME/dtree-jax``,
+    else ``~/.cache/dtree-jax``."""
+    if os.environ.get("DTREE_JAX_CACHE"):
+        return Path(os.environ["DTREE_JAX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtree-jax"
+
+
+def model_dir(path: str | Path, *, progress: bool = True) -> Path:
+    """The directory to load ``path`` from: ``path`` itself, or for a GGUF file its converted copy in
+    ``cache_dir()`` (keyed by the file's resolved path, size and mtime; converted on first use, atomically,
+    as float32 and reused afterwards)."""
+    path = Path(path)
+    if not is_gguf(path):
+        return path
+    if not path.is_file():
+        raise ValueError(f"{path}: GGUF file not found")
+    file = path.resolve()
+    st = file.stat()
+    key = hashlib.sha256(f"{file}\0{st.st_size}\0{st.st_mtime_ns}\0{GGUF_CACHE_DTYPE}".encode()).hexdigest()
+    out = cache_dir() / f"{file.stem}-{key[:16]}"
+    if not (out / "target" / META_FILE).is_file():
+        print(f"converting {file} to {out} (once; later runs reuse it)", file=sys.stderr)
+        convert(file, out_dir=out, dtype=GGUF_CACHE_DTYPE, overwrite=True, progress=progress)
+    return out / "target"
+
+
 def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
-    """``(kind, cfg, params)`` from a converted model directory or an HF directory (converted on the fly).
+    """``(kind, cfg, params)`` from a converted model directory, an HF directory (converted in memory) or a
+    GGUF file (converted once into the cache, see ``model_dir``).
 
     ``dtype`` None keeps the converted dtype (HF: the config's dtype); otherwise leaves are cast to it.
     """
-    path = Path(path)
+    path = model_dir(path)
     if (path / META_FILE).is_file():
         kind, cfg, params = load_converted(path)
         if dtype is not None:
@@ -532,7 +593,7 @@ def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
     if roles:
         raise ValueError(f"{path}: a conversion output; pass {' or '.join(str(path / r) for r in roles)}")
     raise ValueError(
-        f"{path}: neither a converted model ({META_FILE}) nor an HF model directory (config.json)"
+        f"{path}: neither a converted model ({META_FILE}), an HF model directory (config.json) nor a .gguf file"
     )
 
 
@@ -559,9 +620,9 @@ def _run_cli(args) -> int:
 
 def add_cli(sub) -> None:
     p = sub.add_parser(
-        "convert", help="convert HF/PyTorch target (and drafter) checkpoints to dtree_jax (orbax)"
+        "convert", help="convert HF/PyTorch/GGUF target (and drafter) checkpoints to dtree_jax (orbax)"
     )
-    p.add_argument("--target", required=True, help="HF target model directory (config.json + weights)")
+    p.add_argument("--target", required=True, help="HF target model directory (config.json + weights) or GGUF file")
     p.add_argument("--drafter", help="HF DFlash/Domino drafter directory")
     p.add_argument("--out", required=True, help="output directory (gets target/ and drafter/)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

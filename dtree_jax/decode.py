@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtree_jax import build
+from dtree_jax.convert import MODEL_MODULES
 from dtree_jax.models.domino_head import gru_step
 from dtree_jax.tree import Tree, chain_tree
 from dtree_jax.verify import accept_sampled, compact_kv, sample_tokens
@@ -37,12 +38,13 @@ TREE_METHODS = build.TREE_METHODS
 STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CAPACITY = 0, 1, 2, 3
 STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_MAX_NEW: "max_new_tokens", STOP_CAPACITY: "capacity"}
 
-_MODULES = {"qwen3": "dtree_jax.models.qwen3", "qwen3_5": "dtree_jax.models.qwen3_5", "drafter": "dtree_jax.models.drafter"}
+_MODULES = MODEL_MODULES  # model kind -> module, the converter's map
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: ``kind`` names its module ("qwen3", "qwen3_5", "drafter"); ``cfg`` is static."""
+    """A loaded model: ``kind`` names its module ("qwen3" / "qwen2" / "llama" (dense), "qwen3_5", "drafter");
+    ``cfg`` is static."""
 
     kind: str
     cfg: Any
@@ -131,7 +133,7 @@ def _draft(spec: Spec, tparams, dparams, state: DecodeState) -> build.DraftRound
     dr, tg = spec.drafter, spec.target
     ph_full = dr.draft_block(dparams, spec.drafter_cfg, tparams, state.dcache, state.lens, state.root)
     ph = dr.draft_rows(ph_full, spec.drafter_cfg)
-    base = tg.lm_head(tparams, spec.target_cfg, ph)
+    base = dr.scale_logits(spec.drafter_cfg, tg.lm_head(tparams, spec.target_cfg, ph))
     embed_root = tg.embed(tparams, state.root)
     head = dparams.head
     if head is None:
@@ -298,6 +300,22 @@ generate_on_device = jax.jit(_generate, static_argnums=0)
 prefill_jit = jax.jit(_prefill, static_argnums=0)
 
 
+def trace_generation(target: "Model", drafter: "Model | None", method: str, *, batch: int = 1,
+                     prompt_bucket: int = 16, temperature: float = 0.0, **knobs) -> jax.stages.Traced:
+    """``generate_on_device`` (prefill + the while_loop) traced for ``batch`` prompts of one bucket, without
+    running it; params may be abstract (``abstract_params``).  ``.lower(lowering_platforms=("tpu",))`` then
+    cross-lowers the whole generation (give the configs a fixed ``kernel_platform`` to get that platform's
+    kernels: ``with_kernels``).  ``knobs`` go to ``make_spec`` (defaults: budget 8, k 4, 16 new tokens)."""
+    knobs = dict(dict(budget=8, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=16, stop_ids=(),
+                      top_k=0, top_p=1.0), **knobs)
+    spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, **knobs)
+    prompts = jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    dparams = None if method == "ar" else drafter.params
+    return generate_on_device.trace(spec, target.params, dparams, prompts, lens, jax.random.key(0),
+                                    jnp.float32(temperature))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Instrumented mode: the same stages, jitted separately and timed per round
 # ----------------------------------------------------------------------------------------------------------
@@ -336,14 +354,25 @@ def compilations() -> int:
 def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):
     state = jax.block_until_ready(prefill_jit(spec, tparams, dparams, prompts, lens, key, temperature))
     stages = {"draft": [], "build": [], "verify": [], "commit": []}
+    trees = []
     while bool(jnp.any(~state.done)) and int(state.step) < spec.max_new_tokens:
         rnd, t_draft = _timed(_draft_jit, spec, tparams, dparams, state)
         tree, t_build = _timed(_build_jit, spec, tparams, dparams, rnd, state)
         (logits, feats, cache), t_verify = _timed(_verify_jit, spec, tparams, tree, state)
+        before = state
         state, t_commit = _timed(_commit_jit, spec, dparams, tree, logits, feats, cache, state, temperature)
         for name, t in zip(stages, (t_draft, t_build, t_verify, t_commit)):
             stages[name].append(t)
-    return state, stages
+        trees.append(
+            dict(
+                active=(~np.asarray(before.done)).tolist(),
+                lens=np.asarray(before.lens).tolist(),
+                tokens=np.asarray(tree.tokens).tolist(),
+                parents=np.asarray(tree.parents).tolist(),
+                emitted=(np.asarray(state.out_len) - np.asarray(before.out_len)).tolist(),
+            )
+        )
+    return state, stages, trees
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,6 +386,10 @@ class Generation:
     stats: list[dict]  # per request: generated, rounds, tau, seconds, tokens_per_second, stop_reason
     compile_seconds: float
     stage_seconds: dict | None = None  # instrumented mode: mean seconds per round of each stage
+    # Instrumented mode: per round, per request: active, lens (committed length), the tree's tokens and
+    # parents (node 0 = the root) and the number of tokens emitted.
+    round_trees: list[dict] | None = None
+    texts: list[str] | None = None  # text prompts only: ``tokens`` decoded (special tokens skipped)
 
 
 def _eos_ids(path) -> tuple[int, ...]:
@@ -379,13 +412,34 @@ def _as_model(m) -> Model | None:
     if m is None or isinstance(m, Model):
         return m
     if isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
-        from dtree_jax.convert import load_model
+        from dtree_jax.convert import load_model, model_dir
 
-        kind, cfg, params = load_model(m)
-        return Model(kind, cfg, params, str(m), _eos_ids(m))
+        path = model_dir(m)  # a GGUF file: its converted copy in the cache
+        kind, cfg, params = load_model(path)
+        return Model(kind, cfg, params, str(path), _eos_ids(path))
     if isinstance(m, tuple) and len(m) == 3:
         return Model(*m)
     raise TypeError(f"expected a Model, a (kind, cfg, params) tuple or a checkpoint path, got {type(m).__name__}")
+
+
+def with_kernels(model: Model | None, attention_impl: str | None = None, kernel_platform: str | None = None):
+    """``model`` with its config's ``attention_impl`` ("xla" | "pallas") and ``kernel_platform`` ("tpu" | "gpu" |
+    "cpu"; whose kernels "pallas" runs) replaced where given (None keeps the config's; a drafter's apply to its
+    backbone).  ``models.kernels`` documents which kernel runs where."""
+    if model is None or (attention_impl is None and kernel_platform is None):
+        return model
+    from dtree_jax.models.config import ATTENTION_IMPLS, check_kernel_platform
+
+    if attention_impl is not None and attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+    check_kernel_platform(kernel_platform)
+    knobs = {k: v for k, v in dict(attention_impl=attention_impl, kernel_platform=kernel_platform).items() if v}
+    cfg = model.cfg
+    if model.kind == "drafter":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **knobs))
+    else:
+        cfg = dataclasses.replace(cfg, **knobs)
+    return dataclasses.replace(model, cfg=cfg)
 
 
 def _bucket(n: int, multiple: int = 16) -> int:
@@ -399,7 +453,7 @@ def make_spec(
     *,
     budget: int,
     node_topk: int,
-    corr_topm: int,
+    corr_topm: int | None,
     max_depth: int | None,
     max_new_tokens: int,
     prompt_bucket: int,
@@ -421,6 +475,7 @@ def make_spec(
     for name, v in dict(budget=budget, node_topk=node_topk, max_new_tokens=max_new_tokens).items():
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    corr_topm = build.default_corr_topm(method) if corr_topm is None else corr_topm
     if not isinstance(corr_topm, int) or corr_topm < 0:
         raise ValueError(f"corr_topm must be a non-negative integer (0 = full vocabulary), got {corr_topm!r}")
     if top_k < 0 or not 0 < top_p <= 1:
@@ -510,7 +565,7 @@ def generate(
     *,
     budget: int | str = 32,
     node_topk: int = 8,
-    corr_topm: int = 64,
+    corr_topm: int | None = None,
     max_depth: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -522,17 +577,33 @@ def generate(
     cache_len: int | None = None,
     instrument: bool = False,
     calibration: dict | str | None = None,
+    attention_impl: str | None = None,
+    kernel_platform: str | None = None,
+    chat: bool = False,
 ) -> Generation:
-    """Generates continuations of ``prompts`` (token-id lists) with ``method`` on device.
+    """Generates continuations of ``prompts`` with ``method`` on device.
 
-    ``target`` and ``drafter`` are ``Model``s, ``(kind, cfg, params)`` tuples, or checkpoint directories
-    (converted or HF).  ``budget`` is the number of non-root tree nodes (tree methods), ``node_topk`` the
-    branching cap k, ``corr_topm`` the Domino candidate width M (0 = full vocabulary).  Temperature 0 is
+    ``prompts`` are token-id lists, or strings encoded with the target's ``tokenizer.json``; with ``chat``
+    each string is one user message, wrapped in the checkpoint's chat template first (the result's ``texts``
+    then hold the decoded responses).  ``target`` and ``drafter`` are ``Model``s, ``(kind, cfg, params)``
+    tuples, or checkpoint paths (converted or HF directories; a target may be a GGUF file).  ``budget`` is the number of non-root tree nodes (tree methods), ``node_topk`` the
+    branching cap k, ``corr_topm`` the Domino candidate width M (0 = full vocabulary; default: the reference's, full for
+    ``domino`` and 64 for ``dominotree``).  Temperature 0 is
     greedy; above 0 the target is sampled at every node (lossless).  ``stop_ids`` default to the target's
     EOS ids.  Prompts are right-padded to ``prompt_bucket`` (default: the longest rounded up to 16) so
-    prompts of one bucket share one compilation.
+    prompts of one bucket share one compilation.  ``attention_impl`` ("xla" | "pallas") and ``kernel_platform``
+    ("tpu" | "gpu" | "cpu") override both models' configs (``with_kernels``; None keeps them).
     """
     target, drafter = _as_model(target), _as_model(drafter)
+    target = with_kernels(target, attention_impl, kernel_platform)
+    drafter = with_kernels(drafter, attention_impl, kernel_platform)
+    text_prompts = bool(prompts) and all(isinstance(p, str) for p in prompts)
+    if chat and not text_prompts:
+        raise ValueError("chat=True needs text prompts (one user message per prompt)")
+    if text_prompts:
+        from dtree_jax.text import encode_prompts
+
+        prompts = encode_prompts(target.path, prompts, chat=chat)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, and every prompt needs at least one token")
     vocab = target.cfg.vocab_size
@@ -561,9 +632,9 @@ def generate(
     temp = jnp.float32(temperature)
     dparams = None if drafter is None or method == "ar" else drafter.params
     args = (spec, target.params, dparams, jnp.asarray(padded), jnp.asarray(lens), key, temp)
-    stage_seconds = None
+    stage_seconds = round_trees = None
     if instrument:
-        state, stages = _run_instrumented(*args)
+        state, stages, round_trees = _run_instrumented(*args)
         compile_seconds = float("nan")
         seconds = sum(sum(v) for v in stages.values())
         stage_seconds = {k: float(np.mean(v)) if v else 0.0 for k, v in stages.items()}
@@ -589,7 +660,12 @@ def generate(
                 budget=spec.budget if method in TREE_METHODS else None,
             )
         )
-    return Generation(tokens, stats, compile_seconds, stage_seconds)
+    texts = None
+    if text_prompts:
+        from dtree_jax.text import load_tokenizer
+
+        texts = [load_tokenizer(target.path).decode(t) for t in tokens]
+    return Generation(tokens, stats, compile_seconds, stage_seconds, round_trees, texts)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -610,19 +686,12 @@ def _shipped(name: str) -> str:
     raise ValueError(f"no --target/--drafter given and no shipped checkpoint found at {name}")
 
 
-def _load_tokenizer(*paths):
-    import pathlib
+def _read_prompts(args, target_path) -> list[list[int]]:
+    from dtree_jax.text import encode_prompts
 
-    for p in paths:
-        if p and (pathlib.Path(p) / "tokenizer.json").exists():
-            from tokenizers import Tokenizer
-
-            return Tokenizer.from_file(str(pathlib.Path(p) / "tokenizer.json"))
-    return None
-
-
-def _read_prompts(args, tokenizer) -> list[list[int]]:
     if args.prompt_ids:
+        if args.chat:
+            raise ValueError("--chat needs a text prompt (--prompt or --prompts-file), not --prompt-ids")
         try:
             return [[int(t) for t in args.prompt_ids.split(",")]]
         except ValueError:
@@ -631,24 +700,25 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
         args.prompt = DEFAULT_PROMPT
     texts = [args.prompt] if args.prompt is not None else open(args.prompts_file).read().splitlines()
     texts = [t for t in texts if t.strip()] if args.prompts_file else texts
-    if tokenizer is None:
-        raise ValueError("text prompts need a tokenizer.json in the target checkpoint; use --prompt-ids")
-    return [tokenizer.encode(t).ids for t in texts]
+    return encode_prompts(target_path, texts, chat=args.chat)
 
 
 def _run_cli(args) -> int:
     import json
     import sys
 
+    from dtree_jax.text import load_tokenizer
+
     shipped = args.target is None
     target_path = args.target or _shipped(SHIPPED_TARGET)
     drafter_path = args.drafter or (None if args.method == "ar" else _shipped(SHIPPED_DRAFTER))
     target = _as_model(target_path)
     drafter = _as_model(drafter_path) if drafter_path else None
-    tokenizer = _load_tokenizer(target_path)
-    prompts = _read_prompts(args, tokenizer)
+    tokenizer = load_tokenizer(target.path)
+    prompts = _read_prompts(args, target.path)
     knobs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                 max_new_tokens=args.max_new_tokens)
+                 max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl,
+                 kernel_platform=args.kernel_platform)
     result = generate(target, prompts, args.method, drafter, budget=args.budget, node_topk=args.k, corr_topm=args.m,
                       **knobs)
     compare = shipped if args.compare_ar is None else args.compare_ar
@@ -685,23 +755,32 @@ def _budget_arg(value: str):
 
 def add_cli(sub) -> None:
     p = sub.add_parser("generate", help="generate with a target (and drafter) on device")
-    p.add_argument("--target", help="converted or HF target checkpoint (default: the shipped pair)")
+    p.add_argument("--target", help="converted or HF target checkpoint, or a GGUF file (default: the shipped pair)")
     p.add_argument("--drafter", help="converted or HF DFlash/Domino drafter (default: the shipped pair)")
     p.add_argument("--method", choices=METHODS, default="dominotree")
     p.add_argument("--budget", type=_budget_arg, default=32,
                    help="non-root tree nodes (tree methods), or 'auto' (cost model fed this machine's calibration)")
     p.add_argument("--k", type=int, default=8, help="children per node (node_topk)")
-    p.add_argument("--m", type=int, default=64, help="Domino candidate width (0 = full vocabulary)")
+    p.add_argument("--m", type=int, default=None,
+                   help="Domino candidate width (0 = full vocabulary; default: full for domino, 64 for dominotree)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
+                   help="attention (and tree-GDN verify) implementation: the jnp/XLA path or the Pallas kernels "
+                        "(default: the checkpoint config's, xla)")
+    p.add_argument("--kernel-platform", choices=("tpu", "gpu", "cpu"), default=None,
+                   help="whose kernels --attention-impl pallas runs: tpu (Mosaic), gpu (Triton), cpu (interpret "
+                        "mode) (default: the platform this runs on)")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ar on the same prompts and report the speedup (default: on for the shipped pair)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="text prompt (uses tokenizer.json of the target)")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     src.add_argument("--prompts-file", help="one text prompt per line")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each text prompt as a user message in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per request")
     p.set_defaults(func=_run_cli)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax.tree import _is_concrete, ancestor_mask, check_parents, check_same_shape
+from dtree_jax.tree import _is_concrete, ancestor_mask, check_parents, check_same_shape, dfs_intervals
 
 
 class Acceptance(NamedTuple):
@@ -76,10 +76,12 @@ def _path_from_leaf(mask: jax.Array, depths: jax.Array, leaf: jax.Array) -> jax.
 
 
 def accept_greedy(parents: jax.Array, tokens: jax.Array, target_next: jax.Array) -> Acceptance:
-    """Walk from the root while a child's token equals the target's next token at the current node.
+    """The longest root-to-node path on which every node's token equals the target's next token at its parent.
 
-    ``parents, tokens, target_next: [..., N]`` (``target_next[i]`` = the target's token after node i).
-    Among matching siblings the lowest index wins, exactly like a sequential walk.
+    ``parents, tokens, target_next: [..., N]`` (``target_next[i]`` = the target's token after node i).  With
+    distinct sibling tokens (what every builder here emits) this is the plain walk from the root.  When
+    siblings share a token, the branch that goes deeper wins, and among equally deep ones the first that a
+    depth-first search over children in index order reaches, as Domino-Tree's ``longest_accepted_path`` does.
     """
     check_same_shape(parents=parents, tokens=tokens, target_next=target_next)
     check_parents(parents)
@@ -91,13 +93,11 @@ def accept_greedy(parents: jax.Array, tokens: jax.Array, target_next: jax.Array)
     depths = jnp.sum(mask, -1, dtype=jnp.int32) - 1
     idx = jnp.arange(n)
     parent_next = jnp.take_along_axis(target_next, jnp.clip(parents, 0), axis=-1)
-    match = (tokens == parent_next) & (idx > 0)
-    # A match counts only if no lower-index sibling matches too (first child wins).
-    sibling_before = (parents[..., :, None] == parents[..., None, :]) & (idx[None, :] < idx[:, None])
-    shadowed = jnp.any(sibling_before & match[..., None, :], axis=-1)
-    ok = (match & ~shadowed) | (idx == 0)
+    ok = (tokens == parent_next) | (idx == 0)
     accepted = ~jnp.any(mask & ~ok[..., None, :], axis=-1)  # every node on the path ok
-    leaf = jnp.argmax(jnp.where(accepted, depths, -1), axis=-1).astype(jnp.int32)
+    pre, _ = dfs_intervals(parents)
+    rank = depths * n + (n - 1 - pre)  # deeper first, then earlier in DFS pre-order
+    leaf = jnp.argmax(jnp.where(accepted, rank, -1), axis=-1).astype(jnp.int32)
     path = _path_from_leaf(mask, depths, leaf)
     num = jnp.take_along_axis(depths, leaf[..., None], -1)[..., 0] + 1
     drafts = jnp.take_along_axis(tokens, jnp.roll(jnp.clip(path, 0), -1, axis=-1), axis=-1)

@@ -1,4 +1,4 @@
-"""Prepared one-shot GPU check of the Pallas tree-attention kernel (sized for one H200, < 8 minutes).
+"""Prepared one-shot GPU check of the Pallas tree-attention kernel (sized for one H200, ~9 minutes in all).
 
     python experiments/gpu_check.py            # on the GPU machine
     python experiments/gpu_check.py --smoke    # tiny sizes on CPU, kernels in interpret mode (a dry run)
@@ -7,10 +7,14 @@ Sections, each recorded in the JSON (``--out``; default ``$OUT/gpu_check.json`` 
 ``experiments/results/gpu_check.json``, ``gpu_check_smoke.json`` for ``--smoke``):
   1. copy bandwidth: time of a large on-device array copy (read + write), the roofline for the rest;
   2. errors: Pallas kernel vs ``reference_tree_attention`` (fp32 at highest matmul precision, and bf16);
-  3. timing grid at the Qwen3-8B attention shape (H=32, Hkv=8, D=128, bf16): kernel vs XLA masked attention
+  3. the kernels in the real loop (``loop_checks``): every method's whole jitted generation lowered with the
+     kernels forced to GPU and to TPU (kernel calls counted), then short runs of ar / dflash / dominotree on the
+     shipped pair (fp32, bf16) and a random hybrid GDN target with ``attention_impl="pallas"`` vs ``"xla"``
+     (runs stop once 72 % of the budget is left);
+  4. timing grid at the Qwen3-8B attention shape (H=32, Hkv=8, D=128, bf16): kernel vs XLA masked attention
      (``reference_tree_attention``) vs ``jax.nn.dot_product_attention`` with an explicit mask, over
      prefix 1K/8K/32K x N 16/32/64 x batch 1/8, with achieved HBM bandwidth (K/V bytes of lens + N rows);
-  4. hooks: ``bench_verify_vs_ar`` (verify forward vs AR step) and ``bench_frontier_build`` take callables;
+  5. hooks: ``bench_verify_vs_ar`` (verify forward vs AR step) and ``bench_frontier_build`` take callables;
      they are filled from ``dtree_jax.models.qwen3`` and ``dtree_jax.build`` when those import, else skipped
      with a printed note.
 A time budget (``--budget-s``) skips what would not fit; the short table is printed last.
@@ -292,6 +296,117 @@ def run_hooks(cfg: dict, clock: Clock, out: dict, save: Callable[[], None]) -> N
         save()
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The kernels inside the real loop: the whole jitted generation lowered with them, and short runs vs XLA.
+# ----------------------------------------------------------------------------------------------------------
+
+LOOP_METHODS = ("ar", "dflash", "dominotree")
+LOOP_PROMPTS = ("import os\nimport sys\n\n\ndef main(argv=None):\n    ", "class Queue:\n    def __init__(self")
+HYBRID_TEXT = dict(  # random Qwen3.5-style hybrid with the shipped target's width (layers 0-2 GDN, 3 attention)
+    model_type="qwen3_5_text", vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=True,
+)
+
+
+def random_params(abstract, seed: int = 0):
+    """Random N(0, 0.02^2) leaves for an abstract params pytree (norm weights near 0 or 1 both work)."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    init = jax.jit(lambda key, shape, dtype: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
+                   static_argnums=(1, 2))
+    return jax.tree.unflatten(treedef, [init(jax.random.key(seed + i), tuple(x.shape), x.dtype)
+                                        for i, x in enumerate(leaves)])
+
+
+def loop_models(smoke: bool) -> dict:
+    """name -> (target, drafter): the shipped pair (fp32 as shipped, and bf16 on the device) and a random
+    hybrid GDN target with the shipped drafter (same width and vocabulary; its acceptance is meaningless)."""
+    from dtree_jax import convert, decode
+    from dtree_jax.models import qwen3_5
+
+    paths = [decode._shipped(p) for p in (decode.SHIPPED_TARGET, decode.SHIPPED_DRAFTER)]
+    dense = tuple(decode._as_model(p) for p in paths)
+    models = {"dense-fp32": dense}
+    if not smoke:
+        models["dense-bf16"] = tuple(
+            decode.Model(*convert.load_model(p, "bfloat16"), p, m.eos_token_ids) for p, m in zip(paths, dense))
+    hcfg = qwen3_5.config_from_hf(HYBRID_TEXT, dtype="float32")
+    hybrid = decode.Model("qwen3_5", hcfg, random_params(qwen3_5.abstract_params(hcfg, jnp.float32)))
+    models["hybrid-fp32"] = (hybrid, dense[1])
+    return models
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def loop_checks(smoke: bool, clock: Clock, stop_at: float, out: dict, save: Callable[[], None]) -> None:
+    """a. ``lowering``: each method's whole generation (prefill + while_loop) lowered with the kernels forced to
+    GPU (cuda) and TPU, kernel calls counted (``models.kernels.lowered_kernel_calls``; on GPU the tree-GDN
+    verify takes the XLA path on purpose).  b. ``runs``: each method generated with ``attention_impl="xla"``
+    and ``"pallas"`` (this machine's kernels: Triton on GPU, interpret mode for ``--smoke``), tokens compared,
+    and each pallas method compared with pallas ``ar`` (lossless)."""
+    from dtree_jax import decode
+    from dtree_jax.models import kernels
+
+    platform = "cpu" if smoke else "gpu"
+    models = loop_models(smoke)
+    methods = ("ar", "dominotree") if smoke else LOOP_METHODS
+    lowering = out.setdefault("lowering", [])
+    for kp, lp in (("gpu", "cuda"), ("tpu", "tpu")):
+        for name, (target, draft) in models.items():
+            for method in methods:
+                row = dict(platform=lp, target=name, method=method)
+                try:
+                    t, d = (decode.with_kernels(m, "pallas", kp) for m in (target, draft))
+                    text = decode.trace_generation(t, d, method).lower(lowering_platforms=(lp,)).as_text()
+                    calls = kernels.lowered_kernel_calls(text)
+                    row.update(calls=calls, ok=calls["triton" if kp == "gpu" else "mosaic"] > 0)
+                except Exception as e:
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                lowering.append(row)
+                print(f"  lower {lp:4s} {name:11s} {method:10s}: {row.get('calls', row.get('error'))}")
+    save()
+
+    prompts = [list(p.encode("utf-8")) for p in LOOP_PROMPTS[: 1 if smoke else 2]]  # the shipped byte tokenizer
+    knobs = dict(budget=8 if smoke else 16, max_new_tokens=6 if smoke else 32, stop_ids=())
+    runs = out.setdefault("runs", [])
+    for name, (target, draft) in models.items():
+        ar_pallas = None
+        for method in methods:
+            if clock.left() < stop_at:
+                print(f"  budget: skipping loop runs from {name} {method}")
+                save()
+                return
+            row = dict(target=name, method=method, platform=platform)
+            try:
+                gens = {impl: decode.generate(target, prompts, method, draft, attention_impl=impl,
+                                              kernel_platform=platform if impl == "pallas" else None, **knobs)
+                        for impl in ("xla", "pallas")}
+                xla, pal = gens["xla"].tokens, gens["pallas"].tokens
+                ar_pallas = pal if method == "ar" else ar_pallas
+                row.update(
+                    same_tokens=xla == pal,
+                    first_divergence=[first_divergence(a, b) for a, b in zip(xla, pal)],
+                    pallas_equals_ar=None if ar_pallas is None or method == "ar" else pal == ar_pallas,
+                    tau={impl: [round(float(s["tau"]), 3) for s in g.stats] for impl, g in gens.items()},
+                    tokens_per_second={impl: g.stats[0]["tokens_per_second"] for impl, g in gens.items()},
+                    compile_s={impl: g.compile_seconds for impl, g in gens.items()},
+                )
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {str(e)[:300]}", trace=traceback.format_exc()[-1500:])
+            runs.append(row)
+            print(f"  run {name:11s} {method:10s}: " + (row["error"] if "error" in row else
+                  f"pallas == xla {row['same_tokens']} (first divergence {row['first_divergence']}), "
+                  f"pallas == pallas ar {row['pallas_equals_ar']}, tau {row['tau']['pallas']}"))
+            save()
+
+
 def fmt_row(r: dict) -> str:
     ms = lambda k: f"{1e3 * r[k]:8.3f}" if k in r else "     n/a"
     bw = f"{r['kernel_gbps']:7.0f} {100 * r['kernel_frac_copy_bw']:4.0f}%" if "kernel_gbps" in r else "    n/a     "
@@ -302,7 +417,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, kernels in interpret mode")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget after start-up")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget after start-up")
     args = ap.parse_args(argv)
     cfg, interpret = (SMOKE, True) if args.smoke else (FULL, False)
     if not args.smoke and jax.default_backend() != "gpu":
@@ -327,10 +442,18 @@ def main(argv=None):
     print("2. kernel vs reference")
     res["errors"] = error_checks(cfg, interpret)
     save()
-    print("3. timing grid (ms: kernel, xla reference, dot_product_attention | kernel GB/s, % of copy)")
+    print("3. kernels in the real loop (whole-generation lowering; short runs, pallas vs xla)")
+    res["loop"] = {}
+    try:
+        loop_checks(args.smoke, clock, 0.72 * args.budget_s, res["loop"], save)
+    except Exception as e:
+        res["loop"]["note"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("  NOTE loop checks stopped: " + res["loop"]["note"])
+    save()
+    print("4. timing grid (ms: kernel, xla reference, dot_product_attention | kernel GB/s, % of copy)")
     res["grid"] = timing_grid(cfg, interpret, clock, stop_at=0.45 * args.budget_s, copy_gbps=res["copy"]["gbps"])
     save()
-    print("4. hooks")
+    print("5. hooks")
     res["hooks"] = {}
     run_hooks(cfg, clock, res["hooks"], save)
     print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)")
@@ -341,6 +464,11 @@ def main(argv=None):
     print("                               |   kernel      xla     sdpa |  kernel GB/s")
     for r in res["grid"]:
         print(fmt_row(r))
+    low, runs = res["loop"].get("lowering", []), res["loop"].get("runs", [])
+    print(f"loop: {sum(r['ok'] for r in low)}/{len(low)} whole-generation lowerings with kernels; "
+          f"{sum(r.get('same_tokens', False) for r in runs)}/{len(runs)} runs pallas == xla; "
+          f"{sum(r.get('pallas_equals_ar') is True for r in runs)}/{sum(r['method'] != 'ar' for r in runs)} "
+          "pallas methods == pallas ar")
 
 
 if __name__ == "__main__":

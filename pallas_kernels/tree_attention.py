@@ -26,8 +26,14 @@ def reference_tree_attention(
     local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
     *,
     scale: float,
+    window: int | None = None,
 ) -> jax.Array:  # [B, T, H, D]
-    """Pure-jnp GQA attention with fp32 softmax; the XLA path and the oracle of the Pallas kernels."""
+    """Pure-jnp GQA attention with fp32 softmax; the XLA path and the oracle of the Pallas kernels.
+
+    ``window`` (sliding-window layers) hides committed rows ``r <= lens + t - window`` from query ``t``: the
+    rows more than ``window - 1`` positions before it when query ``t`` sits at position ``lens + t`` (a drafter
+    block or a prefill chunk).  Visibility among the new tokens is the caller's ``local_mask``.
+    """
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -38,7 +44,11 @@ def reference_tree_attention(
     local = jnp.take_along_axis(
         local_mask.astype(bool), jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, s)), axis=2
     )  # [B, T, S]
-    visible = (cols < lens)[:, None, :] | (in_new[:, None, :] & local)  # [B, T, S]
+    committed = jnp.broadcast_to((cols < lens)[:, None, :], (b, t, s))  # [B, T, S]
+    if window is not None:
+        query_pos = lens[:, :, None] + jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, 1]
+        committed = committed & (query_pos - cols[:, None, :] < window)
+    visible = committed | (in_new[:, None, :] & local)  # [B, T, S]
     qg = q.reshape(b, t, hkv, g, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
@@ -76,8 +86,11 @@ def _visible(
     length: jax.Array,  # [] int32 committed length of this request
     t: int,  # number of new tokens
     row_words: list[jax.Array],  # W x [block_q, 1] int32 ancestor-bit words of each query row
+    window: int | None = None,
+    query_pos: jax.Array | None = None,  # [block_q, 1] int32 position of each row's query (needed with window)
 ) -> jax.Array:  # [block_q, block_kv] bool
-    """Tile mask: committed rows always visible, new row ``length + s`` iff bit ``s`` of the query's words."""
+    """Tile mask: committed rows visible (with a window, only the ``window - 1`` rows before the query's position
+    and later), new row ``length + s`` iff bit ``s`` of the query's words."""
     rel = cols - length
     in_new = (rel >= 0) & (rel < t)
     rel = jnp.clip(rel, 0, t - 1)
@@ -86,7 +99,27 @@ def _visible(
     for w in range(1, len(row_words)):
         word = jnp.where(word_idx == w, row_words[w], word)
     bit = (word >> shift) & 1
-    return (cols < length) | (in_new & (bit == 1))
+    committed = cols < length
+    if window is not None:
+        committed = committed & (query_pos - cols < window)
+    return committed | (in_new & (bit == 1))
+
+
+def _tile_range(length, t: int, block_kv: int, window: int | None):
+    """``(first, first_full, n_full, n_tiles)``: kv tiles ``[first, n_tiles)`` hold a row some query sees;
+    those in ``[first_full, n_full)`` are visible to every query (no mask needed), the rest need the mask.
+    ``first <= first_full <= n_full <= n_tiles``; without a window ``first = first_full = 0``."""
+    n_tiles = lax.div(length + t + block_kv - 1, block_kv)
+    n_full = lax.div(length, block_kv)  # tiles entirely below the committed length
+    if window is None:
+        zero = jnp.zeros_like(length)
+        return zero, zero, n_full, n_tiles
+    # Query 0 (position length) sees committed rows >= length - window + 1; the last query (length + t - 1)
+    # sees every committed row >= length + t - window.  lax.div: operands are >= 0 (no sign fix-up).
+    first = lax.div(jnp.maximum(length - window + 1, 0), block_kv)
+    first_full = lax.div(jnp.maximum(length + t - window, 0) + block_kv - 1, block_kv)
+    first_full = jnp.clip(first_full, first, n_full)
+    return first, first_full, n_full, n_tiles
 
 
 def _attend(q, k, v, m, l, acc, visible, *, scale, precision):
@@ -115,12 +148,14 @@ def _precision(dtype):
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if dtype == jnp.float32 else None
 
 
-def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, t, words):
+def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, t, words, g,
+                window):
     """Grid (B, Hkv, q tiles, kv tiles); the kv axis is sequential with the softmax state in VMEM scratch."""
-    b, j = pl.program_id(0), pl.program_id(3)
-    block_kv = k_ref.shape[0]
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
     length = lens_ref[b]
     start = j * block_kv
+    first, first_full, n_full, n_tiles = _tile_range(length, t, block_kv, window)
 
     @pl.when(j == 0)
     def _init():
@@ -132,7 +167,11 @@ def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, ac
         visible = None
         if masked:
             cols = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            visible = _visible(cols, length, t, [bits_ref[:, w : w + 1] for w in range(words)])
+            query_pos = None
+            if window is not None:  # kernel row r = t * g + j holds query token r // g
+                rows = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+                query_pos = length + lax.div(rows, g)
+            visible = _visible(cols, length, t, [bits_ref[:, w : w + 1] for w in range(words)], window, query_pos)
         m, l, acc = _attend(
             q_ref[...], k_ref[...], v_ref[...], m_ref[:, 0:1], l_ref[:, 0:1], acc_ref[...], visible,
             scale=scale, precision=_precision(q_ref.dtype),
@@ -141,10 +180,12 @@ def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, ac
         l_ref[...] = jnp.broadcast_to(l, l_ref.shape)
         acc_ref[...] = acc
 
-    # Tiles entirely below the committed length need no mask; tiles past length + t are skipped (their
-    # index_map is clamped to the last needed tile, so no new DMA is issued either).
-    pl.when(start + block_kv <= length)(lambda: step(False))
-    pl.when((start + block_kv > length) & (start < length + t))(lambda: step(True))
+    # Tiles every query sees whole need no mask; tiles past length + t, or (with a window) entirely before
+    # the oldest row any query sees, are skipped (their index_map is clamped to the nearest needed tile, so
+    # no new DMA is issued either).
+    full = (j >= first_full) & (j < n_full)
+    pl.when(full)(lambda: step(False))
+    pl.when(~full & (j >= first) & (j < n_tiles))(lambda: step(True))
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -152,14 +193,14 @@ def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, ac
         o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, interpret):
+def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv, interpret):
     """qr [B, Hkv, R, D], kf/vf [B, S, Hkv*D], lens [B], bits [B, R, W] int32 -> [B, Hkv, R, D] in qr.dtype."""
     b, hkv, r, d = qr.shape
     s, words = kf.shape[1], bits.shape[2]
 
     def kv_map(bi, h, i, j, lens_ref):
-        last = lax.div(lens_ref[bi] + t - 1, block_kv)  # lax.div: no sign fix-up, operands are >= 0
-        return bi, jnp.minimum(j, last), h
+        first, _, _, n_tiles = _tile_range(lens_ref[bi], t, block_kv, window)
+        return bi, jnp.clip(j, first, n_tiles - 1), h
 
     sq = pl.Squeezed()
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -179,7 +220,7 @@ def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, interpret)
         ],
     )
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, scale=scale, t=t, words=words),
+        functools.partial(_tpu_kernel, scale=scale, t=t, words=words, g=g, window=window),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, qr.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -187,17 +228,21 @@ def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, interpret)
     )(lens, qr, kf, vf, bits)
 
 
-def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, acc_out, m_out, l_out, *, scale, t, block_kv, splits):
+def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, acc_out, m_out, l_out, *, scale, t, g, window, block_kv,
+                splits):
     """Grid (B, Hkv, q tiles, splits); each program loops over its share of the needed kv tiles."""
-    b, sp = pl.program_id(0), pl.program_id(3)
+    b, i, sp = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length = lens_ref[b]
-    n_tiles = lax.div(length + t + block_kv - 1, block_kv)
-    per = lax.div(n_tiles + splits - 1, splits)
-    lo = sp * per
+    first, first_full, n_full, n_tiles = _tile_range(length, t, block_kv, window)
+    per = lax.div(n_tiles - first + splits - 1, splits)
+    lo = first + sp * per
     hi = jnp.minimum(lo + per, n_tiles)
-    n_full = lax.div(length, block_kv)  # tiles entirely below the committed length
     q = q_ref[...]
+    bq, d = q.shape
     row_words = [bits_ref[w, :][:, None] for w in range(bits_ref.shape[0])]
+    query_pos = None
+    if window is not None:  # kernel row r = t * g + j holds query token r // g
+        query_pos = length + lax.div(i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0), g)
     precision = _precision(q_ref.dtype)
 
     def body(masked: bool):
@@ -207,25 +252,28 @@ def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, acc_out, m_out, l_out, 
             visible = None
             if masked:
                 cols = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-                visible = _visible(cols, length, t, row_words)
+                visible = _visible(cols, length, t, row_words, window, query_pos)
             return _attend(q, k, v, *state, visible, scale=scale, precision=precision)
 
         return fn
 
-    bq, d = q.shape
     state = (
         jnp.full((bq, 1), _MASKED, jnp.float32),
         jnp.zeros((bq, 1), jnp.float32),
         jnp.zeros((bq, d), jnp.float32),
     )
-    state = lax.fori_loop(lo, jnp.minimum(hi, n_full), body(False), state)
+    # [first, first_full) masked (window edge), [first_full, n_full) unmasked, [n_full, n_tiles) masked.
+    if window is not None:
+        state = lax.fori_loop(lo, jnp.minimum(hi, first_full), body(True), state)
+    state = lax.fori_loop(jnp.maximum(lo, first_full), jnp.minimum(hi, n_full), body(False), state)
     m, l, acc = lax.fori_loop(jnp.maximum(lo, n_full), hi, body(True), state)
     acc_out[...] = acc
     m_out[...] = m[:, 0]
     l_out[...] = l[:, 0]
 
 
-def _gpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, splits, num_warps, num_stages, interpret):
+def _gpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv, splits, num_warps, num_stages,
+              interpret):
     """qr [B, Hkv, R, D], kf/vf [B, S, Hkv*D], lens [B], bits [B, W, R] int32 -> [B, Hkv, R, D] in qr.dtype.
 
     Split-K (flash-decoding): ``splits`` programs share each row block's needed kv tiles and emit
@@ -237,7 +285,7 @@ def _gpu_call(qr, kf, vf, lens, bits, *, scale, t, block_q, block_kv, splits, nu
     s, words = kf.shape[1], bits.shape[1]
     sq = pl.Squeezed()
     acc, m, l = pl.pallas_call(
-        functools.partial(_gpu_kernel, scale=scale, t=t, block_kv=block_kv, splits=splits),
+        functools.partial(_gpu_kernel, scale=scale, t=t, g=g, window=window, block_kv=block_kv, splits=splits),
         grid=(b, hkv, r // block_q, splits),
         in_specs=[
             pl.BlockSpec((b,), lambda bi, h, i, sp: (0,)),
@@ -284,6 +332,24 @@ def _check_inputs(q, k, v, lens, local_mask) -> None:
         raise ValueError(f"{t} new tokens do not fit a cache of {s} rows")
 
 
+# The kernels' dtype contract.  K and V (the cache) must share one dtype from this table: it is the dtype of
+# both matmuls' operands.  Q may have any floating dtype; it is cast to the cache dtype at the boundary (a model
+# whose activations are fp32 over a bf16 cache therefore computes q.k in bf16, as the cache already is).  The
+# output has q's dtype, as ``reference_tree_attention``'s.  Softmax statistics and accumulation are fp32.
+KERNEL_DTYPES = {"tpu": ("float32", "bfloat16"), "gpu": ("float32", "bfloat16", "float16")}
+
+
+def _kernel_dtype(q, k, v, backend: str):
+    """The compute (cache) dtype for ``backend``'s kernel; raises if the inputs break the contract."""
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v must share one dtype (the cache dtype), got {k.dtype} and {v.dtype}")
+    if jnp.dtype(k.dtype).name not in KERNEL_DTYPES[backend]:
+        raise ValueError(f"the {backend} kernel takes a {' / '.join(KERNEL_DTYPES[backend])} cache, got {k.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    return k.dtype
+
+
 def _pick_backend(backend: str | None, interpret) -> str:
     if backend is None:
         platform = jax.default_backend()
@@ -303,6 +369,7 @@ def tree_attention(
     local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
     *,
     scale: float,
+    window: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     backend: str | None = None,
     block_kv: int | None = None,
@@ -324,11 +391,18 @@ def tree_attention(
     Any T, H, Hkv, D, S work: the wrapper pads rows, D and S as the backend needs and slices the result.
     Padding D (to a multiple of 128 on TPU when Hkv > 1, to a power of two on GPU) or S (to a multiple of
     block_kv) copies the cache; production shapes (D = 128, block_kv dividing S) copy nothing.
+    window: sliding-window layers, as in ``reference_tree_attention``, in both kernels (tiles no query sees
+    are skipped).  Dtypes (``KERNEL_DTYPES``): k and v share the cache dtype (TPU: fp32 / bf16; GPU also
+    fp16), q of any floating dtype is cast to it, the output has q's dtype; anything else raises.
     """
     _check_inputs(q, k, v, lens, local_mask)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     backend = _pick_backend(backend, interpret)
     if backend == "xla":
-        return reference_tree_attention(q, k, v, lens, local_mask, scale=scale)
+        return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
+    out_dtype, dtype = q.dtype, _kernel_dtype(q, k, v, backend)
+    q = q.astype(dtype)
     if not isinstance(interpret, (bool, pltpu.InterpretParams)):
         raise ValueError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
     if backend == "gpu" and isinstance(interpret, pltpu.InterpretParams):
@@ -363,13 +437,14 @@ def tree_attention(
     lens = jnp.asarray(lens, jnp.int32)
 
     if backend == "tpu":
-        out = _tpu_call(qr, kf, vf, lens, bits, scale=scale, t=t, block_q=block_q, block_kv=block_kv,
-                        interpret=interpret)
+        out = _tpu_call(qr, kf, vf, lens, bits, scale=scale, t=t, g=g, window=window, block_q=block_q,
+                        block_kv=block_kv, interpret=interpret)
     else:
         groups = b * hkv * (r // block_q)
         splits = num_splits or max(1, min(sp // block_kv, 256 // groups))
-        out = _gpu_call(qr, kf, vf, lens, bits.transpose(0, 2, 1), scale=scale, t=t, block_q=block_q,
-                        block_kv=block_kv, splits=splits, num_warps=num_warps or (4 if block_q <= 64 else 8),
-                        num_stages=num_stages, interpret=bool(interpret))
+        out = _gpu_call(qr, kf, vf, lens, bits.transpose(0, 2, 1), scale=scale, t=t, g=g, window=window,
+                        block_q=block_q, block_kv=block_kv, splits=splits,
+                        num_warps=num_warps or (4 if block_q <= 64 else 8), num_stages=num_stages,
+                        interpret=bool(interpret))
     out = out[:, :, :rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, t, h, d)
+    return out.reshape(b, t, h, d).astype(out_dtype)

@@ -301,6 +301,9 @@ def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
     return heads_first(o), heads_first(u), heads_first(gp)[..., 0]
 
 
+GDN_KERNEL_DTYPES = ("float32", "bfloat16")
+
+
 def tree_gdn(
     q: jax.Array,  # [B, N, Hk, dk] raw (post-conv) queries of the tree nodes
     k: jax.Array,  # [B, N, Hk, dk]
@@ -315,8 +318,16 @@ def tree_gdn(
     """Pallas (TPU-style) tree-WY verify, grid (B, Hv); ``(I + A)^-1`` by nilpotent squaring (matmuls only).
 
     Same signature and results as ``tree_gdn_wy`` (its oracle, with ``reference_tree_gdn`` behind it).
+    Dtypes (``GDN_KERNEL_DTYPES``): q, k, v share one dtype, fp32 or bf16, which ``o`` has too; g, beta and
+    ``state0`` are cast to fp32 here; all the math inside is fp32.  Anything else raises.
     """
     _check_tree_inputs(q, k, v, g, beta, state0, parents)
+    if not q.dtype == k.dtype == v.dtype or jnp.dtype(q.dtype).name not in GDN_KERNEL_DTYPES:
+        raise ValueError(f"q, k, v must share one of {GDN_KERNEL_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("g", g), ("beta", beta), ("state0", state0)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    g, beta, state0 = g.astype(jnp.float32), beta.astype(jnp.float32), state0.astype(jnp.float32)
     mask = ancestor_mask(parents)
     o, u, g_path = _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret)
     _, kn = normalize_qk(q, k, v.shape[-2])

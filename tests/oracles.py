@@ -42,6 +42,33 @@ def tiny_qwen3(tie: bool, seed: int = 0):
     return model, cfg.to_dict()
 
 
+LLAMA3_ROPE = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # short: most frequencies are scaled or smoothed
+
+
+def tiny_dense(model_type: str, tie: bool, seed: int = 0, llama3_rope: bool = False):
+    """``(model, config_dict)``: a tiny HF ``LlamaForCausalLM`` (``model_type="llama"``, optionally with
+    Llama 3.1 RoPE scaling) or ``Qwen2ForCausalLM`` (``"qwen2"``), eager, fp32, eval mode, with every norm
+    and bias randomised (HF initialises biases to zero)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        model_type
+    ]
+    fields = dict(TINY_TARGET, tie_word_embeddings=tie, attn_implementation="eager")
+    if llama3_rope:
+        fields["rope_parameters"] = dict(LLAMA3_ROPE, rope_theta=fields.pop("rope_theta"))
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**fields)).eval()
+    randomize_norms(model, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model, model.config.to_dict()
+
+
 def tiny_drafter_config_dict(shift_label: bool, head: bool = True) -> dict:
     """A drafter config dict in the released checkpoints' layout (Qwen3Config fields + ``dflash_config``)."""
     dc = dict(mask_token_id=127, target_layer_ids=[0, 2, 3])
@@ -123,3 +150,102 @@ def check_hf_contract(module, cfg, dtype) -> int:
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
     assert len(jax.tree.leaves(abstract)) == len(shapes)
     return len(shapes)
+
+
+def dflash_draft_rounds(draft, target, prompt: list[int], max_new_tokens: int):
+    """Greedy ``dflash.model.dflash_generate`` with every round's draft recorded.
+
+    Returns ``(output ids, {start: [root, drafts...]})`` for the full rounds (those that drafted a whole
+    block): ``start`` is the committed length when the round began, ``root`` the token at ``start``.
+    """
+    from dflash.model import dflash_generate
+
+    drafts, starts = [], []
+    forward, logits = draft.forward, draft.compute_logits
+
+    def recording_forward(*args, **kw):
+        width = kw["noise_embedding"].shape[1]
+        starts.append((int(kw["position_ids"][0, -width]), width))
+        return forward(*args, **kw)
+
+    def recording_logits(hidden, head):
+        out = logits(hidden, head)
+        drafts.append(out.argmax(-1)[0].tolist())
+        return out
+
+    draft.forward, draft.compute_logits = recording_forward, recording_logits
+    try:
+        ids = dflash_generate(draft, target, torch.tensor([prompt]), max_new_tokens, None, temperature=0.0)
+    finally:
+        del draft.forward, draft.compute_logits
+    ids = ids[0].tolist()
+    return ids, {s: [ids[s]] + d for (s, w), d in zip(starts, drafts) if w == draft.block_size}
+
+
+def specforge_draft_rounds(domino, target, prompt: list[int], max_new_tokens: int):
+    """specforge's greedy ``spec_generate`` (the Domino chain at full vocabulary) with every round's draft
+    recorded: ``(output ids, {start: [root, drafts...]})``.
+
+    ``spec_generate`` builds plain ``DynamicCache()``s and crops them to an absolute length; hybrid targets
+    need a cache built from their config that records past states and is cropped by a (negative) count, so
+    the caches it builds are swapped for such ones (nothing else of the loop changes).
+    """
+    from transformers import DynamicCache
+    from specforge.modeling.draft import dflash as specforge_dflash
+
+    class CroppableCache(DynamicCache):
+        def crop(self, max_length):
+            super().crop(max_length - self.get_seq_length())
+
+    configs = iter((target.config, domino.config))  # spec_generate builds the target's cache first
+
+    def make_cache():
+        cache = CroppableCache(config=next(configs))
+        cache.activate_past_recording()
+        return cache
+
+    rounds, starts = [], []
+    sample, forward = domino._sample_draft_tokens, domino.forward
+
+    def recording_forward(*args, **kw):
+        starts.append(int(kw["position_ids"][0, -domino.block_size]))
+        return forward(*args, **kw)
+
+    def recording(target_model, draft_hidden, block_output_ids):
+        out = sample(target_model, draft_hidden, block_output_ids)
+        rounds.append([int(block_output_ids[0, 0])] + out[0].tolist())
+        return out
+
+    domino._sample_draft_tokens, domino.forward = recording, recording_forward
+    specforge_dflash.DynamicCache = make_cache
+    try:
+        ids = domino.spec_generate(target, torch.tensor([prompt]), max_new_tokens, None, temperature=0.0)[0].tolist()
+    finally:
+        del domino._sample_draft_tokens, domino.forward
+        specforge_dflash.DynamicCache = DynamicCache
+    return ids, dict(zip(starts, rounds))
+
+
+def context_drafts(draft, target, seq: list[int], starts, domino=None) -> dict[int, list[int]]:
+    """Reference drafts without any cache: for each ``start``, the target's hidden states of ``seq[:start]``
+    (``output_hidden_states``, no cache), the reference drafter's block ``[seq[start], MASK, ...]`` over that
+    context, and its greedy draft: ``draft.compute_logits`` (the ``dflash`` package) or, given specforge's
+    ``domino``, its ``_sample_draft_tokens`` (the Domino chain).  For targets whose caches the reference
+    loops cannot roll back (hybrid GDN).  Returns ``{start: [root, drafts...]}``."""
+    from dflash.model import extract_context_feature
+
+    model = domino if domino is not None else draft
+    bs, out = model.block_size, {}
+    for start in starts:
+        with torch.no_grad():
+            hidden = target(torch.tensor([seq[:start]]), output_hidden_states=True, use_cache=False).hidden_states
+            feats = extract_context_feature(hidden, model.target_layer_ids)
+            block = torch.tensor([[seq[start]] + [model.mask_token_id] * (bs - 1)])
+            noise = target.get_input_embeddings()(block)
+            ph = model(target_hidden=feats, noise_embedding=noise, position_ids=torch.arange(start + bs)[None])
+            if domino is not None:
+                drafts = domino._sample_draft_tokens(target, ph, block)[0].tolist()
+            else:
+                drafts = draft.compute_logits(ph[:, 1:], target.lm_head).argmax(-1)[0].tolist()
+        out[start] = [seq[start]] + drafts
+    return out

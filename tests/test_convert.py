@@ -320,8 +320,8 @@ def _corrupt(what):
             (path / "model-00002-of-00002.safetensors").unlink()
             return path / "model.safetensors.index.json", "model-00002-of-00002.safetensors"
         if what == "model_type":
-            (path / "config.json").write_text(json.dumps({**TARGET_CONFIG, "model_type": "llama"}))
-            return path / "config.json", "'llama'"
+            (path / "config.json").write_text(json.dumps({**TARGET_CONFIG, "model_type": "mistral"}))
+            return path / "config.json", "'mistral'"
         if what == "projector_type":
             config = {**DRAFTER_CONFIG, "dflash_config": {"projector_type": "x"}}
             (path / "config.json").write_text(json.dumps(config))
@@ -356,7 +356,8 @@ def test_missing_model_module_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_model_kind_detection():
-    assert cv.model_kind({"model_type": "qwen3"}) == "qwen3"
+    for t in ("qwen3", "qwen2", "llama"):  # dense: the kind is the model_type, all in one module
+        assert cv.model_kind({"model_type": t}) == t
     assert cv.model_kind({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}) == "drafter"
     assert cv.model_kind({"model_type": "qwen3", "dflash_config": {}}) == "drafter"
     for t in ("qwen3_5", "qwen3_5_text", "qwen3_next"):

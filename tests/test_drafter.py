@@ -222,3 +222,91 @@ def test_real_drafter_shapes(name):
         assert ab.head.w_ih.shape == (h, 3072) and ab.head.w1.shape == (h + 1024, 256)
     assert cfg.num_draft_rows == (16 if cfg.shift_label else 15)
     assert isinstance(cfg, DrafterConfig)
+
+
+def test_every_config_field_is_honoured_or_refused():
+    d = oracles.tiny_drafter_config_dict(shift_label=False, head=False)
+    base = drafter.config_from_hf(d)
+    assert base.causal_layers == (False, False) and base.layer_windows == (None, None)
+    assert (base.input_embedding_scale, base.output_multiplier, base.final_logit_softcapping) == (1.0, 1.0, None)
+    scaled = drafter.config_from_hf(dict(d, dflash_config=dict(d["dflash_config"], input_embedding_scale=2.0)))
+    assert scaled.input_embedding_scale == 2.0
+    assert drafter.config_from_hf(dict(d, is_causal=True)).causal_layers == (True, True)
+    # use_sliding_window with layer_types: sliding layers get the window and are causal unless is_causal=False
+    sw = dict(d, use_sliding_window=True, sliding_window=7, layer_types=["full_attention", "sliding_attention"])
+    cfg = drafter.config_from_hf(sw)
+    assert cfg.layer_windows == (None, 7) and cfg.causal_layers == (False, True)
+    assert drafter.config_from_hf(dict(sw, is_causal=False)).causal_layers == (False, False)
+    # without use_sliding_window HF drops the window; without layer_types it follows max_window_layers
+    assert drafter.config_from_hf(dict(sw, use_sliding_window=False)).layer_windows == (None, None)
+    by_depth = drafter.config_from_hf(dict(d, use_sliding_window=True, sliding_window=7, max_window_layers=1))
+    assert by_depth.layer_windows == (None, 7)
+    for bad, match in (
+        (dict(d, layer_types=["full_attention"]), "layer_types"),
+        (dict(d, layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+        (dict(sw, sliding_window=0), "sliding_window"),
+        (dict(d, use_mrope=True), "use_mrope"),
+        (dict(d, dflash_config=dict(d["dflash_config"], selector_rank=8)), "dflash_config.selector_rank"),
+        (dict(d, architectures=["DFlash2DraftModel"]), "DFlash2DraftModel"),
+        (dict(d, attention_bias=True), "attention_bias"),
+        (dict(d, hidden_act="gelu"), "hidden_act"),
+        (dict(d, model_type="llama"), "model_type"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            drafter.config_from_hf(bad)
+    domino = oracles.tiny_drafter_config_dict(shift_label=False)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        drafter.config_from_hf(dict(domino, dflash_config=dict(domino["dflash_config"], output_multiplier=2.0)))
+    # the generic fields transformers writes are accepted
+    from transformers import Qwen3Config
+
+    written = dict(Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"}).to_dict(), **d)
+    assert drafter.config_from_hf(written).model == base.model
+
+
+def test_block_honours_causal_window_and_embedding_scale():
+    """The drafter block vs the dflash package's model on one context, for each attention variant."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    tmodel, tcfg, tparams = _target()
+    _, dflash, _, _, getter = _drafter(False)
+    rng = np.random.default_rng(5)
+    ctx = 9
+    d0 = oracles.tiny_drafter_config_dict(shift_label=False)
+    feats = rng.standard_normal((1, ctx, 3 * tcfg.hidden_size)).astype(np.float32)
+    root = 17
+    variants = {
+        "causal": dict(is_causal=True),
+        "window": dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * 2),
+        "window_noncausal": dict(use_sliding_window=True, sliding_window=3, is_causal=False,
+                                 layer_types=["full_attention", "sliding_attention"]),
+        "scale": dict(dflash_config=dict(d0["dflash_config"], input_embedding_scale=1.5)),
+        "llama3_rope": dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                 low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=4)),
+    }
+    plain = None
+    for name, extra in variants.items():
+        d = dict(d0, **extra)
+        cfg = drafter.config_from_hf(d, dtype="float32")
+        params = drafter.params_from_hf(cfg, getter, jnp.float32)
+        hf = Qwen3Config(**d)
+        hf._attn_implementation = "eager"
+        ref_model = DFlashDraftModel(hf).eval()
+        ref_model.load_state_dict(dflash.state_dict())
+        ids = torch.tensor([[root] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+        with torch.no_grad():
+            noise = tmodel.model.embed_tokens(ids) * cfg.input_embedding_scale
+            ref = ref_model(target_hidden=torch.from_numpy(feats), noise_embedding=noise,
+                            position_ids=torch.arange(ctx + cfg.block_size)[None])[0].numpy()
+        cache = drafter.init_drafter_cache(cfg, 1, ctx + cfg.block_size)
+        pos = jnp.arange(ctx, dtype=jnp.int32)[None]
+        cache = append_context(params, cfg, cache, jnp.zeros((1,), jnp.int32), jnp.asarray(feats), pos)
+        ours = draft_block(params, cfg, tparams, cache, jnp.asarray([ctx]), jnp.asarray([root]))[0]
+        np.testing.assert_allclose(ours, ref, **TOL, err_msg=name)
+        if plain is None:
+            base_cfg = drafter.config_from_hf(d0, dtype="float32")
+            plain = draft_block(drafter.params_from_hf(base_cfg, getter, jnp.float32), base_cfg, tparams, cache,
+                                jnp.asarray([ctx]), jnp.asarray([root]))[0]
+        assert np.abs(np.asarray(ours) - np.asarray(plain)).max() > 1e-3, f"{name} changed nothing"

@@ -16,13 +16,30 @@ from dtree_jax.tree import ancestor_mask
 from tests import oracles
 
 TOL = dict(rtol=2e-4, atol=2e-4)
-TAPS = (3, 0, 2)  # out of order on purpose; all < num_layers - 1 (HF's last hidden state is post-norm)
+TAPS = (3, 0, 4, 2)  # out of order on purpose; 4 is the last layer (HF takes it after the final norm)
 forward = jax.jit(qwen3.forward, static_argnames=("cfg", "taps"))
 
 
+# The dense families share one model; each parity test runs on all of them.
+DENSE = {  # name -> (model_type, tie_word_embeddings, Llama 3.1 RoPE scaling)
+    "qwen3": ("qwen3", False, False),
+    "qwen3-tied": ("qwen3", True, False),
+    "llama": ("llama", True, False),
+    "llama3-rope": ("llama", False, True),
+    "qwen2": ("qwen2", True, False),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def _tiny(tie: bool):
-    model, d = oracles.tiny_qwen3(tie, seed=3 if tie else 4)
+def _tiny(name: str | bool):
+    """``(HF model, cfg, params, keys read)``; ``name`` is a ``DENSE`` key (a bool: Qwen3 tied or not)."""
+    if isinstance(name, bool):
+        name = "qwen3-tied" if name else "qwen3"
+    model_type, tie, llama3 = DENSE[name]
+    if model_type == "qwen3":
+        model, d = oracles.tiny_qwen3(tie, seed=3 if tie else 4)
+    else:
+        model, d = oracles.tiny_dense(model_type, tie, seed=7 + len(name), llama3_rope=llama3)
     cfg = qwen3.config_from_hf(d, dtype="float32")
     getter = oracles.StateGetter(model)
     params = qwen3.params_from_hf(cfg, getter, jnp.float32)
@@ -71,22 +88,26 @@ def test_config_from_hf_forms():
         qwen3.config_from_hf(base)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_hf_shapes_match_saved_checkpoint(tie, tmp_path):
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_hf_shapes_match_saved_checkpoint(name, tmp_path):
     from safetensors import safe_open
 
-    model, cfg, _, reads = _tiny(tie)
+    model_type, tie, _ = DENSE[name]
+    model, cfg, _, reads = _tiny(name)
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as f:
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert qwen3.hf_shapes(cfg) == saved
     assert ("lm_head.weight" in saved) == (not tie)
     assert sorted(reads) == sorted(saved)
+    assert any(k.endswith("q_proj.bias") for k in saved) == (model_type == "qwen2")
+    assert any("q_norm" in k for k in saved) == (model_type == "qwen3")
+    assert oracles.check_hf_contract(qwen3, cfg, jnp.float32) == len(saved)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_prefill_and_decode_match_hf(tie):
-    model, cfg, params, _ = _tiny(tie)
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_prefill_and_decode_match_hf(name):
+    model, cfg, params, _ = _tiny(name)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, cfg.vocab_size, 9)), list(rng.integers(0, cfg.vocab_size, 5))]
     logits, feats, cache, lens = _prefill(cfg, params, prompts, capacity=16)
@@ -115,9 +136,9 @@ def test_prefill_and_decode_match_hf(tie):
         lens = lens + 1
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_tree_verify_matches_hf_paths(tie):
-    model, cfg, params, _ = _tiny(tie)
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_tree_verify_matches_hf_paths(name):
+    model, cfg, params, _ = _tiny(name)
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, cfg.vocab_size, 4)), list(rng.integers(0, cfg.vocab_size, 7))]
     _, _, cache, lens = _prefill(cfg, params, prompts, capacity=20)

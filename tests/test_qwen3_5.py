@@ -19,7 +19,7 @@ from tests import oracles_hybrid as oh
 
 KINDS = ("qwen3_5", "qwen3_next")
 TOL = dict(rtol=2e-4, atol=2e-4)
-TAPS = (2, 0)
+TAPS = (2, 3, 0)  # 3 is the last layer (HF takes it after the final norm)
 forward = jax.jit(m.forward, static_argnames=("cfg", "taps"))
 prefill = jax.jit(m.prefill, static_argnames=("cfg", "taps"))
 commit = jax.jit(m.commit, static_argnames=("cfg",))

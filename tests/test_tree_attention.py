@@ -164,3 +164,115 @@ def test_cross_lowering_rejects_illegal_blocks():
         lower("tpu", jnp.float32, block_q=4)  # a (4, 128) query block on a 128-row array
     with pytest.raises(ValueError, match="power of 2"):
         lower("gpu", jnp.float32, block_kv=48)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sliding window (drafter layers): query t at position lens + t sees committed row r iff lens + t - r < window.
+# --------------------------------------------------------------------------------------------------------
+
+# (b, t, h, hkv, d, s, window, mask, lens, backend, blocks)
+WINDOW_CASES = [
+    (2, 17, 4, 2, 32, 300, 40, "tree", [0, 283], "tpu", dict(block_kv=128)),
+    (2, 17, 4, 2, 32, 300, 40, "tree", [0, 283], "gpu", dict(block_kv=32, num_splits=3)),
+    (3, 9, 4, 1, 16, 400, 1, "random", [5, 391, 150], "tpu", dict(block_kv=128)),  # window 1: no prefix
+    (3, 9, 4, 1, 16, 400, 1, "random", [5, 391, 150], "gpu", dict(block_kv=16)),
+    (2, 40, 6, 2, 64, 520, 200, "causal", [130, 480], "tpu", dict(block_kv=128, block_q=32)),  # row tiles
+    (2, 40, 6, 2, 64, 520, 200, "causal", [130, 480], "gpu", dict(block_kv=64, block_q=32, num_splits=2)),
+    (2, 24, 4, 4, 48, 320, 7, "full", [3, 290], "tpu", dict(block_kv=128)),  # window < t: edge tiles only
+    (2, 24, 4, 4, 48, 320, 7, "full", [3, 290], "gpu", dict(block_kv=32)),
+    (1, 8, 4, 2, 32, 256, 1000, "full", [200], "gpu", dict(block_kv=64)),  # window past everything
+]
+
+
+@pytest.mark.parametrize("b,t,h,hkv,d,s,window,mask,lens,backend,blocks", WINDOW_CASES)
+def test_window_matches_reference(b, t, h, hkv, d, s, window, mask, lens, backend, blocks):
+    args = make_case(window + t, b, t, h, hkv, d, s, mask=mask, lens=lens)
+    scale = 1.0 / np.sqrt(d)
+    want = reference_tree_attention(*args, scale=scale, window=window)
+    out = run(args, backend=backend, interpret=True, window=window, **blocks)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    if window < s:  # the window changes the result, so the test above is not vacuous
+        assert not np.allclose(want, ref(args), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_window_skips_tiles_before_the_window(backend):
+    """NaN in whole kv tiles no query's window reaches must not reach the output (nor NaN past lens + T)."""
+    block_kv, window, t = (128, 100, 9) if backend == "tpu" else (32, 40, 9)
+    q, k, v, lens, local = make_case(4, 2, t, 4, 2, 32, 640, lens=[300, 520])
+    first = (np.asarray(lens) - window + 1) // block_kv * block_kv  # first row of the first needed tile
+    needed = -(-(np.asarray(lens) + t) // block_kv) * block_kv
+    rows = np.arange(640)[None, :, None, None]
+    dead = (rows < first[:, None, None, None]) | (rows >= needed[:, None, None, None])
+    clean = reference_tree_attention(q, k, v, lens, local, scale=0.2, window=window)
+    k, v = jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v)
+    out = jax.jit(functools.partial(tree_attention, scale=0.2, window=window, backend=backend, interpret=True,
+                                    block_kv=block_kv))(q, k, v, lens, local)
+    np.testing.assert_allclose(out, clean, atol=2e-5, rtol=2e-5)
+
+
+def test_window_tpu_interpret_params():
+    pltpu.reset_tpu_interpret_mode_state()
+    try:
+        args = make_case(12, 2, 12, 4, 2, 128, 512, lens=[0, 300])
+        want = reference_tree_attention(*args, scale=1.0 / np.sqrt(128), window=150)
+        out = run(args, backend="tpu", interpret=pltpu.InterpretParams(random_seed=5), block_kv=128, block_q=16,
+                  window=150)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_window_kernels_lower(backend, dtype):
+    text = lower(backend, dtype, window=1024)
+    assert ("tpu_custom_call" if backend == "tpu" else "triton") in text
+
+
+def test_bad_window_raises():
+    args = make_case(0, 1, 4, 2, 1, 16, 64)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            tree_attention(*args, scale=1.0, backend="tpu", interpret=True, window=bad)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dtype contract: k and v share the cache dtype, q is cast to it, the output keeps q's dtype.
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_fp32_queries_over_a_bf16_cache(backend):
+    q, k, v, lens, local = make_case(8, 2, 16, 4, 2, 64, 256, lens=[0, 200])
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    out = run((q, k, v, lens, local), backend=backend, interpret=True, block_kv=128 if backend == "tpu" else 64)
+    assert out.dtype == jnp.float32
+    want = ref((q.astype(jnp.bfloat16), k, v, lens, local)).astype(jnp.float32)  # what the kernel computes
+    np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_mixed_dtypes_lower(backend):
+    """fp32 queries over a bf16 cache (a model with fp32 weights and bf16 activations) lower for both
+    platforms: before the boundary cast the Triton dot refused mixed operands ('same element type')."""
+    b, t, h, hkv, d, s = 2, 16, 8, 2, 64, 512
+    specs = [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32)]
+    specs += [jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)] * 2
+    specs += [jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, t, t), jnp.bool_)]
+    f = functools.partial(tree_attention, scale=0.125, backend=backend)
+    platform = {"tpu": "tpu", "gpu": "cuda"}[backend]
+    lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=(platform,))
+    assert ("tpu_custom_call" if backend == "tpu" else "triton") in lowered.as_text()
+    assert lowered.out_info.dtype == jnp.float32
+
+
+def test_dtype_contract_refusals():
+    q, k, v, lens, local = make_case(1, 1, 4, 2, 1, 16, 64)
+    with pytest.raises(ValueError, match="share one dtype"):
+        tree_attention(q, k, v.astype(jnp.bfloat16), lens, local, scale=1.0, backend="gpu", interpret=True)
+    with pytest.raises(ValueError, match="tpu kernel takes"):
+        tree_attention(q, k.astype(jnp.float16), v.astype(jnp.float16), lens, local, scale=1.0, backend="tpu",
+                       interpret=True)
+    with pytest.raises(ValueError, match="floating"):
+        tree_attention(q.astype(jnp.int32), k, v, lens, local, scale=1.0, backend="gpu", interpret=True)

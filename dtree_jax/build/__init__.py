@@ -10,6 +10,7 @@ from dtree_jax.build.methods import (
     TREE_METHODS,
     build_tree,
     chain_draft,
+    default_corr_topm,
     make_scorer,
 )
 from dtree_jax.build.scorers import (
@@ -35,6 +36,7 @@ __all__ = [
     "build_tree",
     "chain_draft",
     "chain_menus",
+    "default_corr_topm",
     "children",
     "condstatic_scorer",
     "domino_scorer",

@@ -38,6 +38,15 @@ CHAIN_METHODS = ("dflash", "domino")
 TREE_METHODS = ("ddtree", "dominotree", "condstatic")
 METHODS = CHAIN_METHODS + TREE_METHODS
 BUILDERS = ("frontier", "heap")
+# The reference's candidate width M per Domino method: specforge's Domino chain corrects over the full
+# vocabulary (0); Domino-Tree's builder over the top 64 (its ``DOMINOTREE_CORR_TOPM``), the ablation likewise.
+DEFAULT_CORR_TOPM = {"domino": 0, "dominotree": 64, "condstatic": 64}
+
+
+def default_corr_topm(method: str) -> int:
+    """``M`` when none is given: the reference implementation's default for ``method`` (unused by the
+    methods without the GRU head)."""
+    return DEFAULT_CORR_TOPM.get(method, 0)
 
 
 def make_scorer(
@@ -90,7 +99,7 @@ def build_tree(
     *,
     budget: int = 16,
     k: int = 8,
-    M: int = 64,
+    M: int | None = None,
     P: int = 1,
     max_depth: int | None = None,
     mask_token_id: int | None = None,
@@ -100,7 +109,7 @@ def build_tree(
 
     ``budget``: non-root nodes (trees have ``budget + 1`` nodes; chains ``min(max_depth, K) + 1`` and ignore
     ``budget``, ``k`` and ``builder``); ``k``: children per node (clamped to ``M`` when ``M > 0``); ``M``:
-    correction candidates (0 = full vocabulary); ``P``: pure-draft prefix length (uncorrected depths);
+    correction candidates (0 = full vocabulary; default ``default_corr_topm(method)``); ``P``: pure-draft prefix length (uncorrected depths);
     ``max_depth``: ledger depths used (default K); ``mask_token_id``: dead-leaf token (tree methods).
     ``builder``: ``"frontier"`` (one jit, batched, no host syncs) or ``"heap"`` (host reference, same tree on
     tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
@@ -112,6 +121,7 @@ def build_tree(
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
     b, depth, vocab = _check_round(rnd, head, embed, needs_head=method not in ("dflash", "ddtree"))
     max_depth = depth if max_depth is None else max_depth
+    M = default_corr_topm(method) if M is None else M
     knobs = {"budget": (budget, 1), "k": (k, 1), "max_depth": (max_depth, 1), "M": (M, 0), "P": (P, 0)}
     for name, (value, low) in knobs.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:

@@ -8,21 +8,58 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("xla", "pallas")
+KERNEL_PLATFORMS = ("tpu", "gpu", "cpu")  # kernel_platform: whose kernels "pallas" selects (models/kernels.py)
 HEAD_PROJECTORS = ("domino", "causal_v5")  # "causal_v5" is the legacy name of the Domino head
+ROPE_TYPES = ("default", "llama3")  # what the dense models implement (the hybrid ones: default only)
+DENSE_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # Qwen3Config.from_hf's switches per HF model_type
 
 
-def _rope_theta(d: Mapping[str, Any]) -> float:
-    """``rope_theta`` from the top level (hub files) or ``rope_parameters`` (transformers 5 saves)."""
+@dataclasses.dataclass(frozen=True)
+class Llama3RoPE:
+    """Llama 3.1's ``rope_type: "llama3"`` frequency scaling (applied by ``layers.rope_tables``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def _rope(d: Mapping[str, Any], allowed: tuple[str, ...] = ("default",)) -> tuple[float, Llama3RoPE | None]:
+    """``(rope_theta, llama3 scaling or None)`` from ``rope_parameters`` (transformers 5 saves) or the hub
+    form (top-level ``rope_theta``, ``rope_scaling``); any RoPE type outside ``allowed`` is refused."""
     rp = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
-    for spec in (rp, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"unsupported rope_type {kind!r}: only default RoPE is implemented")
+    kinds = {spec.get("rope_type", spec.get("type", "default")) for spec in (rp, scaling)} - {"default"}
+    if len(kinds) > 1 or not kinds <= set(allowed):
+        raise ValueError(f"unsupported rope_type {sorted(kinds)}: implemented here: {list(allowed)}")
     theta = rp.get("rope_theta", d.get("rope_theta"))
     if theta is None:
         raise ValueError("config has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
+    if not kinds:
+        return float(theta), None
+    spec = {**scaling, **rp}
+    try:
+        llama3 = Llama3RoPE(
+            factor=float(spec["factor"]),
+            low_freq_factor=float(spec["low_freq_factor"]),
+            high_freq_factor=float(spec["high_freq_factor"]),
+            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"rope_type llama3 needs {e.args[0]!r} in rope_parameters / rope_scaling") from None
+    if llama3.high_freq_factor <= llama3.low_freq_factor:
+        raise ValueError("rope_type llama3 needs high_freq_factor > low_freq_factor")
+    return float(theta), llama3
+
+
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    """``rope_theta`` of a default-RoPE config (any scaling is refused)."""
+    return _rope(d)[0]
+
+
+def check_kernel_platform(platform: str | None) -> None:
+    if platform is not None and platform not in KERNEL_PLATFORMS:
+        raise ValueError(f"kernel_platform must be one of {KERNEL_PLATFORMS} or None, got {platform!r}")
 
 
 def _require(d: Mapping[str, Any], key: str) -> Any:
@@ -33,7 +70,8 @@ def _require(d: Mapping[str, Any], key: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """A Qwen3-style dense decoder (the target, or the drafter's backbone with its draft layers)."""
+    """A dense decoder: Qwen3 (the target, or the drafter's backbone with its draft layers), Llama and Qwen2
+    differ from it only by the switches ``qk_norm``, ``qkv_bias`` and ``rope_scaling``."""
 
     vocab_size: int
     hidden_size: int
@@ -45,13 +83,18 @@ class Qwen3Config:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3; not Llama / Qwen2)
+    qkv_bias: bool = False  # biases on q_proj / k_proj / v_proj (Qwen2)
+    rope_scaling: Llama3RoPE | None = None  # Llama 3.1 frequency scaling
     dtype: str = "bfloat16"  # activation and KV-cache dtype
     attention_impl: str = "xla"  # "xla" (reference_tree_attention) or "pallas"
+    kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)  # accept jnp.bfloat16, np.dtype, "float32"
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        check_kernel_platform(self.kernel_platform)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -61,13 +104,22 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], **overrides) -> "Qwen3Config":
-        """From an HF ``Qwen3Config`` dict; ``overrides`` sets ``dtype``/``attention_impl`` (or any field)."""
+        """From an HF ``Qwen3Config`` / ``LlamaConfig`` / ``Qwen2Config`` dict (``model_type`` sets the
+        switches; absent or any other value: Qwen3); ``overrides`` sets ``dtype``/``attention_impl`` (or any
+        field).  What these models can be configured to do and is not implemented here is refused."""
+        model_type = d.get("model_type") if d.get("model_type") in DENSE_MODEL_TYPES else "qwen3"
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
         if d.get("attention_bias"):
-            raise ValueError("attention_bias=true is not supported")
+            raise ValueError("attention_bias=true (biases on q/k/v and o_proj) is not supported")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1))
+        if float(partial) != 1:
+            raise ValueError("partial_rotary_factor != 1 is not supported on dense models")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be silu, got {d['hidden_act']!r}")
+        theta, rope_scaling = _rope(d, ROPE_TYPES)
         heads = int(_require(d, "num_attention_heads"))
         fields = dict(
             vocab_size=int(_require(d, "vocab_size")),
@@ -78,8 +130,11 @@ class Qwen3Config:
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or int(_require(d, "hidden_size")) // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(d),
+            rope_theta=theta,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2",
+            rope_scaling=rope_scaling,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -92,6 +147,54 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+# Every field a DFlash/Domino drafter's config.json may carry (top level and ``dflash_config``).  Each one is
+# either read by ``DrafterConfig.from_hf`` or cannot change what the drafter computes (metadata, training-only
+# settings, the generic ``PretrainedConfig`` fields transformers writes); any other field is refused by name.
+_DRAFTER_INERT = frozenset(
+    """_name_or_path architectures auto_map model_type transformers_version dtype torch_dtype use_cache
+    initializer_range attention_dropout bos_token_id eos_token_id pad_token_id sep_token_id
+    decoder_start_token_id max_position_embeddings output_attentions output_hidden_states return_dict
+    id2label label2id problem_type chunk_size_feed_forward is_encoder_decoder is_decoder add_cross_attention
+    cross_attention_hidden_size tie_encoder_decoder torchscript use_bfloat16 tf_legacy_loss pruned_heads
+    tokenizer_class prefix task_specific_params finetuning_task mask_token""".split()
+)
+_DRAFTER_BACKBONE = frozenset(
+    """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads
+    head_dim rms_norm_eps rope_theta rope_parameters rope_scaling tie_word_embeddings hidden_act
+    attention_bias""".split()
+)
+_DRAFTER_ATTENTION = frozenset("layer_types sliding_window use_sliding_window max_window_layers is_causal".split())
+_DRAFTER_OWN = frozenset(
+    """block_size num_target_layers target_layer_ids mask_token_id shift_label pure_draft_prefix_len
+    projector_type emb_dim gru_hidden_dim input_embedding_scale output_multiplier
+    final_logit_softcapping""".split()
+)
+_DRAFTER_TOP_FIELDS = _DRAFTER_INERT | _DRAFTER_BACKBONE | _DRAFTER_ATTENTION | _DRAFTER_OWN | {"dflash_config"}
+_DRAFTER_DFLASH_FIELDS = _DRAFTER_OWN | {"mask_token"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _draft_attention(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+    """Per draft layer ``(causal, window)`` as the ``dflash`` package builds them from an HF Qwen3 config:
+    ``layer_types`` (default: sliding from ``max_window_layers`` on when ``use_sliding_window``), the window
+    ``sliding_window`` only with ``use_sliding_window`` (HF drops it otherwise), and a layer causal iff
+    ``is_causal`` says so, or, when it is absent, iff it is a sliding layer."""
+    use_sw = bool(d.get("use_sliding_window", False))
+    window = d.get("sliding_window") if use_sw else None
+    types = d.get("layer_types")
+    if types is None:
+        first = int(d.get("max_window_layers", 28))  # HF Qwen3Config's default
+        types = ["sliding_attention" if use_sw and i >= first else "full_attention" for i in range(num_layers)]
+    types = tuple(types)
+    if len(types) != num_layers or set(types) - set(LAYER_TYPES):
+        raise ValueError(f"layer_types must list {num_layers} of {LAYER_TYPES}, got {list(types)}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    is_causal = d.get("is_causal")
+    causal = tuple(bool(is_causal) if is_causal is not None else t == "sliding_attention" for t in types)
+    return causal, tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +210,30 @@ class DrafterConfig:
     projector_type: str | None = None  # None: plain DFlash (no head); "domino"/"causal_v5": Domino head
     emb_dim: int | None = None
     gru_hidden_dim: int | None = None
+    num_target_layers: int | None = None  # the target's depth the drafter was trained for, when stated
+    input_embedding_scale: float = 1.0  # the block's token embeddings are multiplied by it
+    output_multiplier: float = 1.0  # base logits = lm_head(ph) * output_multiplier ...
+    final_logit_softcapping: float | None = None  # ... then softcap * tanh(logits / softcap)
+    causal_layers: tuple[bool, ...] = ()  # per draft layer: block queries see block keys at or before them
+    layer_windows: tuple[int | None, ...] = ()  # per draft layer: sliding window (None: full attention)
 
     def __post_init__(self):
+        n = self.model.num_layers
+        object.__setattr__(self, "causal_layers", tuple(self.causal_layers) or (False,) * n)
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows) or (None,) * n)
+        if len(self.causal_layers) != n or len(self.layer_windows) != n:
+            raise ValueError(f"causal_layers / layer_windows must have one entry per draft layer ({n})")
         if self.projector_type is not None and self.projector_type not in HEAD_PROJECTORS:
             raise ValueError(
                 f"unknown projector_type {self.projector_type!r}; expected one of {HEAD_PROJECTORS}"
             )
         if self.has_head and (self.emb_dim is None or self.gru_hidden_dim is None):
             raise ValueError("a Domino head needs emb_dim and gru_hidden_dim")
+        if self.has_head and (self.output_multiplier != 1.0 or self.final_logit_softcapping):
+            raise ValueError(
+                "output_multiplier / final_logit_softcapping are not defined for a Domino head (specforge's "
+                "DominoDraftModel uses the target's plain lm_head); refusing this config"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -137,8 +256,20 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], **overrides) -> "DrafterConfig":
-        """From a DFlash/Domino ``config.json`` dict; ``overrides`` go to the backbone (``dtype``, ...)."""
+        """From a DFlash/Domino ``config.json`` dict; ``overrides`` go to the backbone (``dtype``, ...).
+
+        Every field is either honoured or refused: unknown fields (top level or in ``dflash_config``), and
+        DFlash2 checkpoints (dynamic convolutions, candidate selector), raise a ValueError naming them.
+        """
         dc = d.get("dflash_config") or {}
+        unknown = sorted(set(d) - _DRAFTER_TOP_FIELDS)
+        unknown += [f"dflash_config.{k}" for k in sorted(set(dc) - _DRAFTER_DFLASH_FIELDS)]
+        if "DFlash2DraftModel" in (d.get("architectures") or ()):
+            raise ValueError(
+                "DFlash2DraftModel checkpoints (dynamic convolutions, candidate selector) are not supported"
+            )
+        if unknown:
+            raise ValueError(f"drafter config field(s) not supported: {', '.join(unknown)}")
 
         def pick(key, default=None, top_first=False):
             order = (d, dc) if top_first else (dc, d)
@@ -147,10 +278,14 @@ class DrafterConfig:
                     return src[key]
             return default
 
-        model = Qwen3Config.from_hf(d, **overrides)
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"drafter model_type must be qwen3 (DFlash draft layers are Qwen3 layers), got "
+                             f"{d['model_type']!r}")
+        model = Qwen3Config.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
+        causal, windows = _draft_attention(d, model.num_layers)
+        n_target = pick("num_target_layers")
         ids = pick("target_layer_ids")
         if ids is None:
-            n_target = pick("num_target_layers")
             if n_target is None:
                 raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
             ids = default_target_layer_ids(int(n_target), model.num_layers)
@@ -158,6 +293,7 @@ class DrafterConfig:
         if mask is None:
             raise ValueError("drafter config is missing mask_token_id")
         emb_dim, gru = pick("emb_dim", top_first=True), pick("gru_hidden_dim")
+        softcap = pick("final_logit_softcapping")
         return cls(
             model=model,
             block_size=int(pick("block_size", 16)),
@@ -168,4 +304,10 @@ class DrafterConfig:
             projector_type=pick("projector_type"),
             emb_dim=None if emb_dim is None else int(emb_dim),
             gru_hidden_dim=None if gru is None else int(gru),
+            num_target_layers=None if n_target is None else int(n_target),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap and float(softcap) > 0 else None,
+            causal_layers=causal,
+            layer_windows=windows,
         )

@@ -7,7 +7,9 @@ Per round (the drafter's context length always equals the target's committed len
      then advances ``ctx_lens`` by the number of valid rows;
   2. ``draft_block`` runs the block ``[root, MASK, ...]`` (embedded with the target's table) at positions
      ``ctx_lens + arange(block_size)``; block queries attend non-causally to the context and the whole block.
-     The block's K/V are written only into a throw-away copy of the cache (the "crop");
+     The block's K/V are written only into a throw-away copy of the cache (the "crop").  Per draft layer
+     the config may make the block causal and/or give it a sliding window (``causal_layers``,
+     ``layer_windows``), and ``input_embedding_scale`` scales the block's embeddings, as in ``dflash``;
   3. ``draft_rows`` picks the rows ``ph [B, K, H]`` with ``ph[d]`` predicting the token at depth ``d + 1``;
      ``path_logits`` gives base (+ Domino-corrected) logits along a given path.
 """
@@ -129,7 +131,7 @@ def append_context(
     """Writes the new context rows' K/V in every draft layer at ``[ctx_lens, ctx_lens + T)``."""
     m = cfg.model
     c = project_context(params, cfg, feats)
-    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta)
+    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
     ks, vs = [], []
     for i, p in enumerate(params.layers):
         k, v = kv_project(p, m, c, cos, sin)
@@ -155,13 +157,29 @@ def draft_block(
     tokens = jnp.concatenate(
         [root[:, None].astype(jnp.int32), jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1
     )
-    x = qwen3.embed(target_params, tokens).astype(m.dtype)
+    x = (qwen3.embed(target_params, tokens) * cfg.input_embedding_scale).astype(m.dtype)
     positions = jnp.asarray(ctx_lens, jnp.int32)[:, None] + jnp.arange(bs, dtype=jnp.int32)
-    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta)
-    everything = jnp.ones((b, bs, bs), bool)
+    cos, sin = rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
+    offset = jnp.arange(bs)[:, None] - jnp.arange(bs)[None, :]  # query row - key row
     for i, p in enumerate(params.layers):
-        x, _, _ = decoder_layer(p, m, x, cos, sin, cache.k[i], cache.v[i], ctx_lens, everything)
+        causal, window = cfg.causal_layers[i], cfg.layer_windows[i]
+        visible = offset >= 0 if causal else jnp.ones((bs, bs), bool)
+        if window is not None:
+            visible = visible & (jnp.abs(offset) < window)
+        local = jnp.broadcast_to(visible, (b, bs, bs))
+        x, _, _ = decoder_layer(p, m, x, cos, sin, cache.k[i], cache.v[i], ctx_lens, local, window)
     return rms_norm(x, params.norm, m.rms_norm_eps)
+
+
+def scale_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:  # [..., V] fp32 -> [..., V] fp32
+    """The ``dflash`` package's ``compute_logits`` on top of the target's lm_head: ``* output_multiplier``,
+    then ``softcap * tanh(logits / softcap)`` when ``final_logit_softcapping`` is set."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 def draft_rows(ph_full: jax.Array, cfg: DrafterConfig) -> jax.Array:
@@ -181,7 +199,7 @@ def path_logits(
     """Draft logits for depths ``1..K`` along ``path``: row ``d`` is ``lm_head(ph[d])``, plus for
     ``d >= pure_draft_prefix_len`` (Domino only) ``W2 . SiLU(W1 . [ph[d] ; s_d])`` with ``s_d`` the GRU state
     after the target embeddings of ``path[:d + 1]``."""
-    base = qwen3.lm_head(target_params, target_cfg, ph)
+    base = scale_logits(cfg, qwen3.lm_head(target_params, target_cfg, ph))
     if params.head is None:
         return base
     states = gru_run(params.head, qwen3.embed(target_params, path))  # [B, K, G]

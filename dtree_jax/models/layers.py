@@ -1,4 +1,5 @@
-"""Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, the decoder layer.
+"""Dense-decoder building blocks shared by the target and the drafter: RMSNorm, RoPE (with Llama 3.1
+scaling), SwiGLU, the decoder layer (Qwen3; Llama and Qwen2 by the config's switches).
 
 Linear weights are stored ``[in, out]``.  Attention writes the T new tokens' K/V into a per-layer cache at
 rows ``[lens, lens + T)`` of each request and attends with the tree-attention semantics of
@@ -13,7 +14,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.config import Llama3RoPE, Qwen3Config
+from dtree_jax.models.kernels import attention_kwargs
 from pallas_kernels.tree_attention import reference_tree_attention
 
 Leaf = Callable[[str, bool], Any]  # (hf_key, transpose) -> array or ShapeDtypeStruct
@@ -27,8 +29,11 @@ class LayerParams:
     wk: jax.Array  # [H, Hkv*D]
     wv: jax.Array  # [H, Hkv*D]
     wo: jax.Array  # [Hq*D, H]
-    q_norm: jax.Array  # [D]
-    k_norm: jax.Array  # [D]
+    q_norm: jax.Array | None  # [D] (None without qk_norm: Llama, Qwen2)
+    k_norm: jax.Array | None  # [D]
+    bq: jax.Array | None  # [Hq*D] (None without qkv_bias: Qwen3, Llama)
+    bk: jax.Array | None  # [Hkv*D]
+    bv: jax.Array | None  # [Hkv*D]
     mlp_norm: jax.Array  # [H] post_attention_layernorm
     w_gate: jax.Array  # [H, I]
     w_up: jax.Array  # [H, I]
@@ -36,7 +41,8 @@ class LayerParams:
 
 
 # HF names of one decoder layer's tensors (relative to ``{prefix}layers.{i}.``), LayerParams field, and
-# whether the HF tensor is an ``[out, in]`` Linear weight that must be transposed.
+# whether the HF tensor is an ``[out, in]`` Linear weight that must be transposed.  A config has the q/k norms
+# only with ``qk_norm`` and the biases only with ``qkv_bias`` (``layer_keys``).
 LAYER_KEYS = (
     ("input_layernorm.weight", "attn_norm", False),
     ("self_attn.q_proj.weight", "wq", True),
@@ -45,6 +51,9 @@ LAYER_KEYS = (
     ("self_attn.o_proj.weight", "wo", True),
     ("self_attn.q_norm.weight", "q_norm", False),
     ("self_attn.k_norm.weight", "k_norm", False),
+    ("self_attn.q_proj.bias", "bq", False),
+    ("self_attn.k_proj.bias", "bk", False),
+    ("self_attn.v_proj.bias", "bv", False),
     ("post_attention_layernorm.weight", "mlp_norm", False),
     ("mlp.gate_proj.weight", "w_gate", True),
     ("mlp.up_proj.weight", "w_up", True),
@@ -52,11 +61,19 @@ LAYER_KEYS = (
 )
 
 
+def layer_keys(cfg: Qwen3Config | None) -> tuple[tuple[str, str, bool], ...]:
+    """The ``LAYER_KEYS`` entries a layer of ``cfg`` has (``None``: a Qwen3 layer, as in every DFlash drafter)."""
+    qk_norm, bias = (True, False) if cfg is None else (cfg.qk_norm, cfg.qkv_bias)
+    absent = set() if qk_norm else {"q_norm", "k_norm"}
+    absent |= set() if bias else {"bq", "bk", "bv"}
+    return tuple(entry for entry in LAYER_KEYS if entry[1] not in absent)
+
+
 def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """HF shapes ``[out, in]`` of one decoder layer, keyed like ``LAYER_KEYS``."""
+    """HF shapes ``[out, in]`` of one decoder layer, keyed like ``LAYER_KEYS`` (only the keys it has)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    return {
+    shapes = {
         "input_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -64,16 +81,22 @@ def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (h, q),
         "self_attn.q_norm.weight": (d,),
         "self_attn.k_norm.weight": (d,),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
         "post_attention_layernorm.weight": (h,),
         "mlp.gate_proj.weight": (i, h),
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
     }
+    return {key: shapes[key] for key, _, _ in layer_keys(cfg)}
 
 
-def load_layer(leaf: Leaf, prefix: str) -> LayerParams:
-    """Builds one layer from ``leaf(hf_key, transpose)`` with HF keys ``{prefix}{LAYER_KEYS name}``."""
-    return LayerParams(**{field: leaf(prefix + key, t) for key, field, t in LAYER_KEYS})
+def load_layer(leaf: Leaf, prefix: str, cfg: Qwen3Config | None = None) -> LayerParams:
+    """Builds one layer from ``leaf(hf_key, transpose)`` with HF keys ``{prefix}{LAYER_KEYS name}``; the
+    fields ``cfg`` does not have are None (``cfg=None``: a Qwen3 layer, see ``layer_keys``)."""
+    present = {field: leaf(prefix + key, t) for key, field, t in layer_keys(cfg)}
+    return LayerParams(**{field: present.get(field) for _, field, _ in LAYER_KEYS})
 
 
 def hf_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype) -> Leaf:
@@ -101,9 +124,27 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (w * y.astype(x.dtype)).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """``positions [...]`` -> ``cos, sin [..., rotary_dim]`` (fp32; frequencies as ``cat(f, f)``)."""
+def rope_tables(
+    positions: jax.Array,  # [...] int32
+    rotary_dim: int,
+    theta: float,
+    scaling: Llama3RoPE | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``positions [...]`` -> ``cos, sin [..., rotary_dim]`` (fp32; frequencies as ``cat(f, f)``), with
+    Llama 3.1's frequency scaling when ``scaling`` is given: wavelengths above ``original / low_freq_factor``
+    are stretched by ``factor``, those below ``original / high_freq_factor`` kept, and those between
+    interpolated linearly in ``original / wavelength``."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        medium = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = jnp.where(
+            wavelen > old / scaling.low_freq_factor,
+            inv_freq / scaling.factor,
+            jnp.where(wavelen < old / scaling.high_freq_factor, inv_freq, medium),
+        )
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -135,10 +176,18 @@ def kv_project(
 ) -> tuple[jax.Array, jax.Array]:
     """K (k_proj, per-head k_norm, RoPE) and V (v_proj), each ``[B, T, Hkv, D]``."""
     b, t, _ = x.shape
-    k = (x @ p.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (x @ p.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    k = apply_rope(rms_norm(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
-    return k, v
+    k = _project(x, p.wk, p.bk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = _project(x, p.wv, p.bv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(_head_norm(k, p.k_norm, cfg), cos, sin), v
+
+
+def _project(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:  # [..., in] -> [..., out]
+    return x @ w if b is None else x @ w + b
+
+
+def _head_norm(x: jax.Array, w: jax.Array | None, cfg: Qwen3Config) -> jax.Array:  # [B, T, heads, D]
+    """Qwen3's per-head q/k RMSNorm; the identity for models without one (``w`` None)."""
+    return x if w is None else rms_norm(x, w, cfg.rms_norm_eps)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, lens: jax.Array) -> jax.Array:
@@ -159,16 +208,18 @@ def attend(
     v: jax.Array,  # [B, S, Hkv, D]
     lens: jax.Array,  # [B]
     local_mask: jax.Array,  # [B, T, T]
+    window: int | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Tree attention dispatched on ``cfg.attention_impl`` (the Pallas kernel is imported lazily)."""
+    """Tree attention dispatched on ``cfg.attention_impl`` and ``cfg.kernel_platform`` by
+    ``models.kernels.attention_kwargs`` (the Pallas kernel is imported lazily); ``window`` as in
+    ``reference_tree_attention`` (sliding-window drafter layers)."""
     scale = cfg.head_dim**-0.5
-    if cfg.attention_impl == "pallas":
+    kw = attention_kwargs(cfg)
+    if kw["backend"] != "xla":
         from pallas_kernels.tree_attention import tree_attention
 
-        return tree_attention(
-            q, k, v, lens, local_mask, scale=scale, interpret=jax.default_backend() == "cpu"
-        )
-    return reference_tree_attention(q, k, v, lens, local_mask, scale=scale)
+        return tree_attention(q, k, v, lens, local_mask, scale=scale, window=window, **kw)
+    return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
 
 
 def decoder_layer(
@@ -181,16 +232,18 @@ def decoder_layer(
     v_cache: jax.Array,  # [B, S, Hkv, D]
     lens: jax.Array,  # [B] rows already in the cache
     local_mask: jax.Array,  # [B, T, T]
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Qwen3 decoder layer; returns the new residual stream and the caches with the T new rows written."""
+    """One Qwen3 decoder layer; returns the new residual stream and the caches with the T new rows written.
+    ``window``: sliding-window attention (see ``attend``)."""
     b, t, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    q = (h @ p.wq).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    q = apply_rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
+    q = _project(h, p.wq, p.bq).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q = apply_rope(_head_norm(q, p.q_norm, cfg), cos, sin)
     k, v = kv_project(p, cfg, h, cos, sin)
     k_cache = write_rows(k_cache, k, lens)
     v_cache = write_rows(v_cache, v, lens)
-    o = attend(cfg, q, k_cache, v_cache, lens, local_mask)
+    o = attend(cfg, q, k_cache, v_cache, lens, local_mask, window)
     x = x + o.reshape(b, t, cfg.num_heads * cfg.head_dim) @ p.wo
     x = x + swiglu(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
     return x, k_cache, v_cache

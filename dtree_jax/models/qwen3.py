@@ -1,4 +1,5 @@
-"""Qwen3 dense target (``Qwen3ForCausalLM``), functional JAX.
+"""Dense targets, functional JAX: Qwen3 (``Qwen3ForCausalLM``), Llama (``LlamaForCausalLM``, with Llama 3.1
+RoPE scaling) and Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``), one code path switched by ``Qwen3Config``.
 
 One ``forward`` serves every phase; the caller picks positions, ``lens`` and the local mask:
   * prefill: ``positions = arange(T)``, ``lens = 0``, causal ``local_mask`` (rows past a request's real length
@@ -62,7 +63,7 @@ def build_params(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
     the HF key itself (``dtree_jax.train.hf_tensors`` uses that to export)."""
     return Qwen3Params(
         embed=leaf("model.embed_tokens.weight", False),
-        layers=tuple(load_layer(leaf, f"model.layers.{i}.") for i in range(cfg.num_layers)),
+        layers=tuple(load_layer(leaf, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)),
         final_norm=leaf("model.norm.weight", False),
         lm_head=None if cfg.tie_word_embeddings else leaf("lm_head.weight", True),
     )
@@ -107,8 +108,9 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs T new tokens per request; returns ``(logits [B, T, V] fp32, feats [B, T, len(taps) * H], cache)``.
 
-    ``feats`` concatenates, in ``taps`` order, the residual stream after decoder layer ``id`` (HF
-    ``output_hidden_states[id + 1]`` for ``id < num_layers - 1``; HF's last entry is post-norm).
+    ``feats`` concatenates, in ``taps`` order, HF's ``output_hidden_states[id + 1]``: the residual stream after
+    decoder layer ``id``, and for the last layer that stream after the final norm (what the reference drafters
+    are trained on and fed).
     ``cfg`` and ``taps`` are static under ``jit``.  Requires ``lens + T <= cache capacity``.
     """
     b, t = tokens.shape
@@ -122,7 +124,7 @@ def forward(
     if t > cache.capacity:
         raise ValueError(f"{t} tokens do not fit a cache of {cache.capacity} rows")
     x = embed(params, tokens).astype(cfg.dtype)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     ks, vs, tapped = [], [], {}
     for i, p in enumerate(params.layers):
         x, k, v = decoder_layer(p, cfg, x, cos, sin, cache.k[i], cache.v[i], lens, local_mask)
@@ -130,6 +132,7 @@ def forward(
         vs.append(v)
         if i in taps:
             tapped[i] = x
+    normed = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    tapped[cfg.num_layers - 1] = normed  # HF's hidden_states[L] is taken after the final norm
     feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
-    logits = lm_head(params, cfg, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-    return logits, feats, KVCache(k=tuple(ks), v=tuple(vs))
+    return lm_head(params, cfg, normed), feats, KVCache(k=tuple(ks), v=tuple(vs))

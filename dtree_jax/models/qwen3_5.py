@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta
+from dtree_jax.models import kernels
+from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta, check_kernel_platform
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
 from dtree_jax.models.qwen3 import embed, lm_head  # same embedding/head layout as the dense target
 from dtree_jax.models.layers import (
@@ -83,6 +84,7 @@ class Qwen35Config:
     norm_topk_prob: bool = True
     dtype: str = "bfloat16"  # activations, K/V and conv state (the recurrent state is always fp32)
     attention_impl: str = "xla"  # "xla" or "pallas" (tree attention and the tree-GDN kernel)
+    kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -91,6 +93,7 @@ class Qwen35Config:
         object.__setattr__(self, "moe_layers", moe)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        check_kernel_platform(self.kernel_platform)
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, LINEAR}:
             raise ValueError(
                 f"layer_types must be {self.num_layers} of {FULL!r}/{LINEAR!r}, got {self.layer_types}"
@@ -128,10 +131,9 @@ class Qwen35Config:
 
     @property
     def gdn_impl(self) -> str:
-        """``tree_gdn_mixer``'s impl: the Pallas kernel (interpret mode on CPU) if attention_impl="pallas"."""
-        if self.attention_impl == "pallas":
-            return "interpret" if jax.default_backend() == "cpu" else "pallas"
-        return "xla"
+        """``tree_gdn_mixer``'s impl (``models.kernels.gdn_impl``): with attention_impl="pallas" the Pallas kernel
+        on TPU, interpret mode on CPU, the XLA path on GPU (no GPU kernel yet); else the XLA path."""
+        return kernels.gdn_impl(self)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
@@ -579,9 +581,10 @@ def _run(params, cfg, tokens, positions, cache, lens, local_mask, taps, gdn):
         x = x + mlp(layer, cfg, rms_norm_1p(x, layer.mlp_norm, cfg.rms_norm_eps))
         if i in taps:
             tapped[i] = x
+    normed = rms_norm_1p(x, params.final_norm, cfg.rms_norm_eps)
+    tapped[cfg.num_layers - 1] = normed  # HF's hidden_states[L] is taken after the final norm
     feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
-    logits = lm_head(params, cfg, rms_norm_1p(x, params.final_norm, cfg.rms_norm_eps))
-    return logits, feats, tuple(ks), tuple(vs), extras
+    return lm_head(params, cfg, normed), feats, tuple(ks), tuple(vs), extras
 
 
 def forward(
@@ -599,7 +602,8 @@ def forward(
     Each node sees the committed sequence plus its root -> node path (attention via ``local_mask``, GDN conv
     and recurrence along parent pointers derived from it).  The returned cache has the T new K/V rows at
     ``[lens, lens + T)``, the committed GDN states unchanged, and ``pending`` set for ``commit``.
-    ``feats`` concatenates the residual stream after each tapped layer, in ``taps`` order.
+    ``feats`` concatenates HF's ``output_hidden_states[id + 1]`` for each tapped layer, in ``taps`` order (the
+    residual stream after it; after the final norm for the last layer).
     """
     _check(cfg, tokens, positions, cache, lens, local_mask, taps)
     parents = parents_from_mask(local_mask)

@@ -1,0 +1,88 @@
+"""Which kernel runs where: the one place that turns a model config into kernel arguments.
+
+A config's ``attention_impl`` says whether the Pallas kernels are wanted ("pallas") or not ("xla"); its
+``kernel_platform`` says whose kernels: "tpu" (Mosaic), "gpu" (Triton) or "cpu" (the TPU kernels in interpret
+mode).  ``kernel_platform=None`` means the platform this process runs on, ``runtime_platform()``, resolved here
+and nowhere else; a fixed value makes the traced program the same on any machine, so a CPU can cross-lower the
+real TPU or GPU program (``jit(...).trace(...).lower(lowering_platforms=...)``).
+
+Where a kernel has no version for a platform, the XLA path runs there on purpose (``KERNELS``).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dtree_jax.models.config import ATTENTION_IMPLS, KERNEL_PLATFORMS, check_kernel_platform
+
+# op -> platform -> what attention_impl="pallas" runs: a Pallas kernel ("mosaic", "triton", "interpret") or "xla"
+KERNELS = {
+    "tree_attention": {"tpu": "mosaic", "gpu": "triton", "cpu": "interpret"},
+    "tree_gdn": {"tpu": "mosaic", "gpu": "xla", "cpu": "interpret"},  # no GPU tree-GDN kernel yet
+}
+
+
+def runtime_platform() -> str:
+    """This process's default JAX backend as a kernel platform ("tpu", "gpu"; anything else is "cpu")."""
+    backend = jax.default_backend()
+    return backend if backend in ("tpu", "gpu") else "cpu"
+
+
+def kernel_platform(cfg) -> str:
+    """The platform whose kernels ``cfg`` selects: ``cfg.kernel_platform``, or the runtime's when None."""
+    platform = getattr(cfg, "kernel_platform", None)
+    check_kernel_platform(platform)
+    return runtime_platform() if platform is None else platform
+
+
+def kernel_choice(op: str, cfg) -> str:
+    """``KERNELS[op][platform]`` when ``cfg.attention_impl == "pallas"``, else "xla"."""
+    if cfg.attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
+    if cfg.attention_impl == "xla":
+        return "xla"
+    return KERNELS[op][kernel_platform(cfg)]
+
+
+def attention_kwargs(cfg) -> dict:
+    """``tree_attention``'s ``backend`` / ``interpret`` for ``cfg`` (backend "xla": the jnp reference)."""
+    choice = kernel_choice("tree_attention", cfg)
+    backend = {"mosaic": "tpu", "triton": "gpu", "interpret": "tpu", "xla": "xla"}[choice]
+    return dict(backend=backend, interpret=choice == "interpret")
+
+
+def gdn_impl(cfg) -> str:
+    """``tree_gdn_mixer``'s ``impl`` for ``cfg``: "pallas", "interpret" or "xla"."""
+    return {"mosaic": "pallas", "interpret": "interpret", "xla": "xla"}[kernel_choice("tree_gdn", cfg)]
+
+
+# The custom-call targets the kernels lower to, by kernel kind.
+CUSTOM_CALLS = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton"}
+
+
+def lowered_kernel_calls(text: str) -> dict[str, int]:
+    """Kernel calls executed by a lowered StableHLO module (``Lowered.as_text()``), per kind ("mosaic",
+    "triton"; "mosaic_gpu" if any kernel fell to that backend).  A jitted callee is emitted once and called
+    from several places, so calls are summed over the ``call`` graph from ``main``."""
+    import re
+
+    funcs = dict(re.findall(r"func\.func (?:public |private )?@([\w$.-]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S))
+    patterns = {kind: re.escape(t) + r"\b" for kind, t in CUSTOM_CALLS.items()}
+    patterns["mosaic_gpu"] = r"mosaic_gpu\w*"  # "mosaic_gpu_v2" in jax 0.10
+    memo: dict[str, dict[str, int]] = {}
+
+    def calls(name: str) -> dict[str, int]:
+        if name not in memo:
+            body = funcs.get(name, "")
+            got = {kind: len(re.findall(r"custom_call @" + pat, body)) for kind, pat in patterns.items()}
+            for callee in re.findall(r"\bcall @([\w$.-]+)\(", body):
+                for kind, n in calls(callee).items():
+                    got[kind] += n
+            memo[name] = got
+        return memo[name]
+
+    return calls("main")
+
+
+__all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice",
+           "attention_kwargs", "gdn_impl", "CUSTOM_CALLS", "lowered_kernel_calls"]
