@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.tree_attention import ancestor_bits, mask_from_bits  # noqa: F401  (the kernels' mask form)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Static rank trees (built once on the host, e.g. for a fixed EAGLE/Medusa-style tree or the card's example)
@@ -184,23 +186,6 @@ def dfs_intervals(parents: jax.Array) -> tuple[jax.Array, jax.Array]:  # [..., N
 def mask_from_intervals(pre: jax.Array, end: jax.Array) -> jax.Array:  # [..., N] x2 -> [..., N, N]
     """Ancestor-or-self mask from DFS intervals."""
     return (pre[..., None, :] <= pre[..., :, None]) & (pre[..., :, None] < end[..., None, :])
-
-
-def ancestor_bits(mask: jax.Array) -> jax.Array:  # [..., N, N] bool -> [..., N, ceil(N/32)] uint32
-    """Packs each mask row into 32-bit words: bit ``j % 32`` of word ``j // 32`` is ``mask[i, j]``."""
-    n = mask.shape[-1]
-    words = -(-n // 32)
-    padded = jnp.pad(mask.astype(jnp.uint32), [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
-    padded = padded.reshape(mask.shape[:-1] + (words, 32))
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    return jnp.sum(padded << shifts, axis=-1, dtype=jnp.uint32)
-
-
-def mask_from_bits(bits: jax.Array, n: int) -> jax.Array:  # [..., N, W] uint32 -> [..., N, n] bool
-    """Unpacks ``ancestor_bits``."""
-    j = jnp.arange(n)
-    words = jnp.take(bits, j // 32, axis=-1)
-    return ((words >> (j % 32).astype(jnp.uint32)) & 1) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -15,7 +15,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dtree_jax import tree
+
+def ancestor_bits(mask: jax.Array) -> jax.Array:  # [..., N, N] bool -> [..., N, ceil(N/32)] uint32
+    """Packs each mask row into 32-bit words: bit ``j % 32`` of word ``j // 32`` is ``mask[i, j]``."""
+    n = mask.shape[-1]
+    words = -(-n // 32)
+    padded = jnp.pad(mask.astype(jnp.uint32), [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
+    padded = padded.reshape(mask.shape[:-1] + (words, 32))
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    return jnp.sum(padded << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def mask_from_bits(bits: jax.Array, n: int) -> jax.Array:  # [..., N, W] uint32 -> [..., N, n] bool
+    """Unpacks ``ancestor_bits`` (the inverse, for tests and debugging)."""
+    j = jnp.arange(n)
+    words = jnp.take(bits, j // 32, axis=-1)
+    return ((words >> (j % 32).astype(jnp.uint32)) & 1) == 1
 
 
 def reference_tree_attention(
@@ -64,7 +79,7 @@ def reference_tree_attention(
 # Both variants regroup the queries per kv head: row ``r = t * g + j`` of a ``[B, Hkv, R, D]`` block holds
 # query token ``t`` of head ``kv * g + j``, so one K/V tile feeds all ``g`` heads that share it.  The cache is
 # read through the free view ``[B, S, Hkv * D]`` (block ``(block_kv, D)`` at column block ``kv``), never
-# transposed.  The local mask travels as ancestor bits (``dtree_jax.tree.ancestor_bits``: ``W = ceil(T/32)``
+# transposed.  The local mask travels as ancestor bits (``ancestor_bits``: ``W = ceil(T/32)``
 # int32 words per query row, any bool mask works, not only trees); each tile computes its own mask from
 # ``lens`` and those words, so no ``[T, S]`` mask exists anywhere.
 # ----------------------------------------------------------------------------------------------------------
@@ -415,7 +430,7 @@ def tree_attention(
     s, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     rows = t * g
-    bits = lax.bitcast_convert_type(tree.ancestor_bits(local_mask.astype(bool)), jnp.int32)  # [B, T, W]
+    bits = lax.bitcast_convert_type(ancestor_bits(local_mask.astype(bool)), jnp.int32)  # [B, T, W]
     bits = jnp.repeat(bits, g, axis=1)  # [B, T*g, W]: row t*g+j belongs to query t
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
 

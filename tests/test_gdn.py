@@ -19,6 +19,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from dtree_jax.models import gdn
+from dtree_jax.models import tree_gdn as mtg
 from pallas_kernels import tree_gdn as tg
 
 B, HK, HV, DK, DV, KC = 2, 2, 4, 16, 8, 4  # Hk != Hv and dk != dv so orientation bugs show
@@ -204,7 +205,7 @@ def _tree_mixer(p, fn=tg.reference_tree_gdn, parents=None, jit=True):
     parents = p["parents"] if parents is None else parents
     if jit:
         return _tree_mixer_jit(p, fn, parents)
-    y, windows = tg.tree_conv(p["x"], p["w"], p["conv_state"], parents)
+    y, windows = mtg.tree_conv(p["x"], p["w"], p["conv_state"], parents)
     q, k, v = gdn.split_qkv(y, HK, DK, HV, DV)
     g, beta = gdn.gdn_gates(p["a"], p["b"], p["a_log"], p["dt_bias"])
     o, extra = fn(q, k, v, g, beta, p["state0"], parents)
@@ -234,7 +235,7 @@ def _chain_along(p, r, path):
 @functools.lru_cache(maxsize=None)
 def _verified(seed, n):
     p = _layer(seed, n)
-    return p, _tree_mixer(p), _tree_mixer(p, tg.tree_gdn_wy)
+    return p, _tree_mixer(p), _tree_mixer(p, mtg.tree_gdn_wy)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -256,8 +257,8 @@ def test_tree_wy_equals_sequential_reference(seed):
     np.testing.assert_allclose(o_wy, o, **TOL)
     for i in range(p["parents"].shape[1]):  # the fold rebuilds every node's state from the stash
         last = np.full(B, i, np.int32)
-        folded = tg.tree_gdn_commit(stash, p["state0"], last)
-        np.testing.assert_allclose(folded, tg.take_node(states, last), **TOL)
+        folded = mtg.tree_gdn_commit(stash, p["state0"], last)
+        np.testing.assert_allclose(folded, mtg.take_node(states, last), **TOL)
 
 
 def test_commit_equals_accepted_path_recompute():
@@ -265,20 +266,20 @@ def test_commit_equals_accepted_path_recompute():
     rng = np.random.default_rng(5)
     for _ in range(3):
         last = rng.integers(0, p["parents"].shape[1], B).astype(np.int32)
-        state = tg.tree_gdn_commit(stash, p["state0"], last)
-        conv = tg.commit_conv(windows, last)
+        state = mtg.tree_gdn_commit(stash, p["state0"], last)
+        conv = mtg.commit_conv(windows, last)
         assert state.shape == (B, HV, DK, DV) and conv.shape == (B, KC - 1, C)
         for r in range(B):
             _, cwin, _, cs = _chain_along(p, r, _path(p["parents"][r], int(last[r])))
             np.testing.assert_allclose(state[r], cs, **TOL)
-            np.testing.assert_allclose(tg.take_node(states, last)[r], cs, **TOL)
+            np.testing.assert_allclose(mtg.take_node(states, last)[r], cs, **TOL)
             np.testing.assert_array_equal(conv[r], cwin)
 
 
 def test_chain_tree_reproduces_chain_kernels():
     n = 12
     p = _layer(4, n, parents=np.broadcast_to(np.arange(n, dtype=np.int32) - 1, (B, n)))
-    y, windows, o, stash = _tree_mixer(p, tg.tree_gdn_wy)
+    y, windows, o, stash = _tree_mixer(p, mtg.tree_gdn_wy)
     cy, cconv = jax.jit(gdn.causal_conv)(p["x"], p["w"], p["conv_state"])
     np.testing.assert_allclose(y, cy, **TOL)
     np.testing.assert_array_equal(windows[:, -1], cconv)
@@ -286,9 +287,9 @@ def test_chain_tree_reproduces_chain_kernels():
     g, beta = gdn.gdn_gates(p["a"], p["b"], p["a_log"], p["dt_bias"])
     co, cs = _chunk(q, k, v, g, beta, p["state0"], chunk_size=8)
     np.testing.assert_allclose(o, co, **TOL)
-    np.testing.assert_allclose(tg.tree_gdn_commit(stash, p["state0"], np.full(B, n - 1)), cs, **TOL)
+    np.testing.assert_allclose(mtg.tree_gdn_commit(stash, p["state0"], np.full(B, n - 1)), cs, **TOL)
     _, cs5 = _chunk(*(x[:, :6] for x in (q, k, v, g, beta)), p["state0"])
-    np.testing.assert_allclose(tg.tree_gdn_commit(stash, p["state0"], np.full(B, 5)), cs5, **TOL)
+    np.testing.assert_allclose(mtg.tree_gdn_commit(stash, p["state0"], np.full(B, 5)), cs5, **TOL)
 
 
 def test_tree_unaware_verify_differs_on_branching_tree():
@@ -318,12 +319,12 @@ def test_off_path_nodes_are_harmless():
         noise = rng.normal(size=p[key].shape).astype(np.float32) * 50
         q[key] = np.where(on.reshape(on.shape + (1,) * (p[key].ndim - 2)), p[key], noise)
     y2, windows2, o2, states2 = _tree_mixer(q)
-    _, _, o_wy2, stash2 = _tree_mixer(q, tg.tree_gdn_wy)
+    _, _, o_wy2, stash2 = _tree_mixer(q, mtg.tree_gdn_wy)
     np.testing.assert_allclose(np.asarray(o2)[on], np.asarray(o)[on], **TOL)
     np.testing.assert_allclose(np.asarray(o_wy2)[on], np.asarray(o_wy)[on], **TOL)
-    np.testing.assert_allclose(tg.tree_gdn_commit(stash2, p["state0"], last),
-                               tg.tree_gdn_commit(stash, p["state0"], last), **TOL)
-    np.testing.assert_array_equal(tg.commit_conv(windows2, last), tg.commit_conv(windows, last))
+    np.testing.assert_allclose(mtg.tree_gdn_commit(stash2, p["state0"], last),
+                               mtg.tree_gdn_commit(stash, p["state0"], last), **TOL)
+    np.testing.assert_array_equal(mtg.commit_conv(windows2, last), mtg.commit_conv(windows, last))
     assert not np.allclose(np.asarray(o2)[~on], np.asarray(o)[~on])  # the garbage did reach the dead nodes
 
 
@@ -333,15 +334,15 @@ def test_tree_input_validation():
     bad[0, 3] = 4  # child before parent
     with pytest.raises(ValueError, match="precede"):
         _tree_mixer(p, parents=bad, jit=False)
-    y, windows = tg.tree_conv(p["x"], p["w"], p["conv_state"], p["parents"])
+    y, windows = mtg.tree_conv(p["x"], p["w"], p["conv_state"], p["parents"])
     q, k, v = gdn.split_qkv(y, HK, DK, HV, DV)
     g, beta = gdn.gdn_gates(p["a"], p["b"], p["a_log"], p["dt_bias"])
     with pytest.raises(ValueError, match="parents"):
-        tg.tree_gdn_wy(q, k, v, g, beta, p["state0"], p["parents"][:, :4])
+        mtg.tree_gdn_wy(q, k, v, g, beta, p["state0"], p["parents"][:, :4])
     with pytest.raises(ValueError, match="state0"):
-        tg.reference_tree_gdn(q, k, v, g, beta, p["state0"][:, :2], p["parents"])
+        mtg.tree_gdn_pallas(q, k, v, g, beta, p["state0"][:, :2], p["parents"], interpret=True)
     with pytest.raises(ValueError, match="last"):
-        tg.commit_conv(windows, np.array([0, 5]))
+        mtg.commit_conv(windows, np.array([0, 5]))
 
 
 _mixer = jax.jit(gdn.gdn_mixer, static_argnames=("num_k_heads", "head_k_dim"))
@@ -371,10 +372,10 @@ def test_mixer_prefill_then_decode_equals_one_prefill():
 def test_tree_mixer_and_commit_equal_chain_mixer(impl):
     p = _layer(9, 10)
     z, wts = _mixer_weights(p)
-    y, windows, stash = jax.jit(functools.partial(tg.tree_gdn_mixer, impl=impl, **DIMS))(
+    y, windows, stash = jax.jit(functools.partial(mtg.tree_gdn_mixer, impl=impl, **DIMS))(
         p["x"], z, p["a"], p["b"], *wts, p["conv_state"], p["state0"], p["parents"])
     last = np.array([9, 4], np.int32)
-    conv, state = tg.commit_tree_gdn(windows, stash, p["state0"], last)
+    conv, state = mtg.commit_tree_gdn(windows, stash, p["state0"], last)
     for r in range(B):
         idx = np.asarray(_path(p["parents"][r], int(last[r])))
         cy, ccs, cs = _mixer(*(x[r : r + 1, idx] for x in (p["x"], z, p["a"], p["b"])), *wts,
@@ -383,7 +384,7 @@ def test_tree_mixer_and_commit_equal_chain_mixer(impl):
         np.testing.assert_array_equal(conv[r], ccs[0])
         np.testing.assert_allclose(state[r], cs[0], **TOL)
     with pytest.raises(ValueError, match="impl"):
-        tg.tree_gdn_mixer(p["x"], z, p["a"], p["b"], *wts, p["conv_state"], p["state0"], p["parents"],
+        mtg.tree_gdn_mixer(p["x"], z, p["a"], p["b"], *wts, p["conv_state"], p["state0"], p["parents"],
                           impl="cuda", **DIMS)
 
 
@@ -395,25 +396,25 @@ def test_tree_mixer_and_commit_equal_chain_mixer(impl):
 @pytest.mark.parametrize("n, interpret", [(1, True), (10, True), (10, pltpu.InterpretParams())])
 def test_pallas_tree_gdn_interpret_matches_reference(n, interpret):
     p = _layer(8, n)
-    _, _, o, stash = _tree_mixer(p, tg.tree_gdn_wy)
-    _, _, o_k, stash_k = _tree_mixer(p, functools.partial(tg.tree_gdn, interpret=interpret))
+    _, _, o, stash = _tree_mixer(p, mtg.tree_gdn_wy)
+    _, _, o_k, stash_k = _tree_mixer(p, functools.partial(mtg.tree_gdn_pallas, interpret=interpret))
     _, _, o_ref, states = _tree_mixer(p)
     np.testing.assert_allclose(o_k, o, **TOL)
     np.testing.assert_allclose(o_k, o_ref, **TOL)
     for name in ("k", "u", "g_path"):
         np.testing.assert_allclose(getattr(stash_k, name), getattr(stash, name), **TOL)
     last = np.array([n - 1, n // 2], np.int32)
-    folded = tg.tree_gdn_commit(stash_k, p["state0"], last)
-    np.testing.assert_allclose(folded, tg.take_node(states, last), **TOL)
+    folded = mtg.tree_gdn_commit(stash_k, p["state0"], last)
+    np.testing.assert_allclose(folded, mtg.take_node(states, last), **TOL)
 
 
 def test_pallas_tree_gdn_bf16_activations():
     p = _layer(11, 10)
-    y, _ = tg.tree_conv(jnp.asarray(p["x"], jnp.bfloat16), p["w"], p["conv_state"], p["parents"])
+    y, _ = mtg.tree_conv(jnp.asarray(p["x"], jnp.bfloat16), p["w"], p["conv_state"], p["parents"])
     q, k, v = gdn.split_qkv(y, HK, DK, HV, DV)
     g, beta = gdn.gdn_gates(p["a"], p["b"], p["a_log"], p["dt_bias"])
-    o, stash = tg.tree_gdn_wy(q, k, v, g, beta, p["state0"], p["parents"])
-    o_k, stash_k = tg.tree_gdn(q, k, v, g, beta, p["state0"], p["parents"], interpret=True)
+    o, stash = mtg.tree_gdn_wy(q, k, v, g, beta, p["state0"], p["parents"])
+    o_k, stash_k = mtg.tree_gdn_pallas(q, k, v, g, beta, p["state0"], p["parents"], interpret=True)
     assert o.dtype == o_k.dtype == jnp.bfloat16 and stash_k.u.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(o_k, np.float32), np.asarray(o, np.float32), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(stash_k.u, stash.u, **TOL)
@@ -427,6 +428,6 @@ def test_pallas_tree_gdn_lowers_for_tpu(n, dims, dtype):
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     args += [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(B, n, hv), (B, n, hv), (B, hv, dk, dv)]]
     args += [jax.ShapeDtypeStruct((B, n), jnp.int32)]
-    fn = jax.jit(functools.partial(tg.tree_gdn, interpret=False))
+    fn = jax.jit(functools.partial(mtg.tree_gdn_pallas, interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text

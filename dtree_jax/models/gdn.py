@@ -27,7 +27,8 @@ One layer, with ``qkv = x @ Wqkv`` ``[B, T, 2*Hk*dk + Hv*dv]``, ``z [B, T, Hv, d
     out = gated_rms_norm(o, z, norm_w).reshape(B, T, Hv * dv) @ Wout
 
 Tree verification (per-node conv windows and states along parent pointers) is in
-``pallas_kernels/tree_gdn.py`` and reuses ``gdn_step``, ``normalize_qk`` and ``split_qkv`` from here.
+``dtree_jax/models/tree_gdn.py`` (the Pallas kernel and its oracle: ``pallas_kernels/tree_gdn.py``); the
+per-token math (``l2norm``, ``normalize_qk``, ``gdn_step``) is ``pallas_kernels/delta_rule.py``, shared with them.
 """
 
 from __future__ import annotations
@@ -35,14 +36,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-HIGHEST = jax.lax.Precision.HIGHEST  # GDN state math is fp32; keep TPU matmuls at full precision
-L2NORM_EPS = 1e-6
+from pallas_kernels.delta_rule import fp32_einsum, gdn_step, normalize_qk
+
 CHUNK_SIZE = 64
-
-
-def fp32_einsum(spec: str, *xs: jax.Array) -> jax.Array:
-    """``jnp.einsum`` at full precision with an fp32 result."""
-    return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,29 +57,6 @@ def gdn_gates(
     softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
     g = -jnp.exp(A_log.astype(jnp.float32)) * softplus
     return g, jax.nn.sigmoid(b.astype(jnp.float32))
-
-
-def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:  # [..., d] -> [..., d] fp32
-    """``x * rsqrt(sum(x^2) + eps)`` over the last axis, in fp32 (eps inside the rsqrt, as FLA/HF)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def normalize_qk(
-    q: jax.Array,  # [..., Hk, dk]
-    k: jax.Array,  # [..., Hk, dk]
-    num_v_heads: int,
-) -> tuple[jax.Array, jax.Array]:  # ([..., Hv, dk], [..., Hv, dk]) fp32
-    """l2-normalises q and k, scales q by ``dk**-0.5``, maps them onto the v-heads (``h // (Hv // Hk)``)."""
-    hk, dk = q.shape[-2:]
-    if k.shape != q.shape:
-        raise ValueError(f"q and k must have the same shape, got {q.shape} and {k.shape}")
-    if num_v_heads % hk:
-        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of the number of q/k heads ({hk})")
-    rep = num_v_heads // hk
-    q = jnp.repeat(l2norm(q) * dk**-0.5, rep, axis=-2)  # repeat = repeat_interleave on the head axis
-    k = jnp.repeat(l2norm(k), rep, axis=-2)
-    return q, k
 
 
 def split_qkv(
@@ -153,21 +126,6 @@ def gated_rms_norm(
 # ----------------------------------------------------------------------------------------------------------
 # The gated delta rule
 # ----------------------------------------------------------------------------------------------------------
-
-
-def gdn_step(
-    state: jax.Array,  # [..., dk, dv] fp32
-    q: jax.Array,  # [..., dk] normalised and scaled (normalize_qk)
-    k: jax.Array,  # [..., dk] normalised
-    v: jax.Array,  # [..., dv]
-    g: jax.Array,  # [...] log-decay
-    beta: jax.Array,  # [...]
-) -> tuple[jax.Array, jax.Array]:  # (new state [..., dk, dv], o [..., dv]) fp32
-    """One token of the gated delta rule: decay, delta update from the decayed state, read the new state."""
-    s = state * jnp.exp(g)[..., None, None]
-    u = beta[..., None] * (v.astype(jnp.float32) - fp32_einsum("...kv,...k->...v", s, k))
-    s = s + k[..., :, None] * u[..., None, :]
-    return s, fp32_einsum("...kv,...k->...v", s, q)
 
 
 def _check_gdn_inputs(q, k, v, g, beta, state):

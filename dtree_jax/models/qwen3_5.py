@@ -3,7 +3,7 @@
 
 Every ``full_attention_interval``-th layer (or as ``layer_types`` says) is gated full attention (per-head
 interleaved ``[q | gate]`` projection, zero-centred q/k norms, partial RoPE, ``o * sigmoid(gate)``); the
-others are Gated DeltaNet token mixers (``models.gdn`` / ``pallas_kernels.tree_gdn``).  MLPs are dense SwiGLU
+others are Gated DeltaNet token mixers (``models.gdn``; tree verify ``models.tree_gdn``).  MLPs are dense SwiGLU
 or, for Qwen3-Next, a top-k MoE with a sigmoid-gated shared expert.  Layer norms, q/k norms and the final norm
 are zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are
 regrouped to the Qwen3.5 layout at load time, so one forward serves both.
@@ -42,7 +42,7 @@ from dtree_jax.models.layers import (
     write_rows,
 )
 from dtree_jax.verify import compact_kv
-from pallas_kernels.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mixer
+from dtree_jax.models.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mixer
 
 FULL, LINEAR = "full_attention", "linear_attention"
 FUSED_MODEL_TYPES = ("qwen3_next",)  # grouped in_proj_qkvz / in_proj_ba
