@@ -27,14 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax import build
+from dtree_jax import builders
 from dtree_jax.convert import MODEL_MODULES
 from dtree_jax.models.domino_head import gru_step
 from dtree_jax.tree import Tree, chain_tree
 from dtree_jax.verify import accept_sampled, compact_kv, sample_tokens
 
-METHODS = ("ar",) + build.METHODS
-TREE_METHODS = build.TREE_METHODS
+METHODS = tuple(builders.REGISTRY)  # the method registry's names, "ar" first
 STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CAPACITY = 0, 1, 2, 3
 STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_MAX_NEW: "max_new_tokens", STOP_CAPACITY: "capacity"}
 
@@ -86,13 +85,15 @@ class Spec:
         return importlib.import_module(_MODULES["drafter"])
 
     @property
+    def record(self) -> builders.Method:
+        """The method's registry entry."""
+        return builders.get_method(self.method)
+
+    @property
     def num_nodes(self) -> int:
         """Tree size N including the root."""
-        if self.method == "ar":
-            return 1
-        if self.method in TREE_METHODS:
-            return self.budget + 1
-        return min(self.max_depth, self.drafter_cfg.num_draft_rows) + 1
+        depth = 0 if self.drafter_cfg is None else min(self.max_depth, self.drafter_cfg.num_draft_rows)
+        return 1 + self.record.draft_nodes(self.budget, depth)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -126,9 +127,9 @@ class DecodeState:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _draft(spec: Spec, tparams, dparams, state: DecodeState) -> build.DraftRound | None:
+def _draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRound | None:
     """Drafter block for the current root: ph rows, base logits and the root's GRU state."""
-    if spec.method == "ar":
+    if not spec.record.drafts:
         return None
     dr, tg = spec.drafter, spec.target
     ph_full = dr.draft_block(dparams, spec.drafter_cfg, tparams, state.dcache, state.lens, state.root)
@@ -140,18 +141,18 @@ def _draft(spec: Spec, tparams, dparams, state: DecodeState) -> build.DraftRound
         root_state = jnp.zeros((state.root.shape[0], 1), jnp.float32)
     else:
         root_state = gru_step(head, jnp.zeros(embed_root.shape[:-1] + (head.gru_dim,), jnp.float32), embed_root)
-    return build.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root)
+    return builders.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root)
 
 
-def _build_tree(spec: Spec, tparams, dparams, rnd: build.DraftRound | None, state: DecodeState) -> Tree:
-    if spec.method == "ar":
+def _build_tree(spec: Spec, tparams, dparams, rnd: builders.DraftRound | None, state: DecodeState) -> Tree:
+    if not spec.record.drafts:
         return chain_tree(state.root[:, None])
-    return build.build_tree(
+    return builders.build_tree(
         spec.method,
         rnd,
         dparams.head,
         tparams.embed,
-        budget=spec.budget if spec.method in TREE_METHODS else spec.num_nodes - 1,
+        budget=spec.num_nodes - 1,
         k=spec.node_topk,
         M=spec.corr_topm,
         P=spec.drafter_cfg.pure_draft_prefix_len,
@@ -311,7 +312,7 @@ def trace_generation(target: "Model", drafter: "Model | None", method: str, *, b
     spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, **knobs)
     prompts = jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    dparams = None if method == "ar" else drafter.params
+    dparams = drafter.params if builders.get_method(method).drafts else None
     return generate_on_device.trace(spec, target.params, dparams, prompts, lens, jax.random.key(0),
                                     jnp.float32(temperature))
 
@@ -463,24 +464,23 @@ def make_spec(
     cache_len: int | None = None,
 ) -> Spec:
     """Validates the knobs and returns the static description of a generation."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    if method != "ar":
+    record = builders.get_method(method)
+    if record.drafts:
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
         if drafter.kind != "drafter":
             raise ValueError(f"the drafter checkpoint is a {drafter.kind!r} model, not a DFlash/Domino drafter")
-        if method in ("domino", "dominotree", "condstatic") and not drafter.cfg.has_head:
+        if record.needs_head and not drafter.cfg.has_head:
             raise ValueError(f"method {method!r} needs a Domino drafter (with the GRU head); this is plain DFlash")
     for name, v in dict(budget=budget, node_topk=node_topk, max_new_tokens=max_new_tokens).items():
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    corr_topm = build.default_corr_topm(method) if corr_topm is None else corr_topm
+    corr_topm = record.corr_topm if corr_topm is None else corr_topm
     if not isinstance(corr_topm, int) or corr_topm < 0:
         raise ValueError(f"corr_topm must be a non-negative integer (0 = full vocabulary), got {corr_topm!r}")
     if top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
-    dcfg = None if method == "ar" else drafter.cfg
+    dcfg = drafter.cfg if record.drafts else None
     depth_cap = dcfg.num_draft_rows if dcfg is not None else 1
     max_depth = depth_cap if max_depth is None else max_depth
     if not isinstance(max_depth, int) or max_depth < 1:
@@ -630,7 +630,7 @@ def generate(
     lens = np.asarray([len(p) for p in prompts], np.int32)
     key = jax.random.key(seed)
     temp = jnp.float32(temperature)
-    dparams = None if drafter is None or method == "ar" else drafter.params
+    dparams = drafter.params if spec.record.drafts else None
     args = (spec, target.params, dparams, jnp.asarray(padded), jnp.asarray(lens), key, temp)
     stage_seconds = round_trees = None
     if instrument:
@@ -657,7 +657,7 @@ def generate(
                 seconds=seconds,
                 tokens_per_second=len(toks) / seconds if seconds > 0 else float("nan"),
                 stop_reason=STOP_REASONS[int(reasons[i])],
-                budget=spec.budget if method in TREE_METHODS else None,
+                budget=spec.budget if spec.record.tree else None,
             )
         )
     texts = None
@@ -711,7 +711,8 @@ def _run_cli(args) -> int:
 
     shipped = args.target is None
     target_path = args.target or _shipped(SHIPPED_TARGET)
-    drafter_path = args.drafter or (None if args.method == "ar" else _shipped(SHIPPED_DRAFTER))
+    drafts = builders.get_method(args.method).drafts
+    drafter_path = args.drafter or (_shipped(SHIPPED_DRAFTER) if drafts else None)
     target = _as_model(target_path)
     drafter = _as_model(drafter_path) if drafter_path else None
     tokenizer = load_tokenizer(target.path)
@@ -722,7 +723,7 @@ def _run_cli(args) -> int:
     result = generate(target, prompts, args.method, drafter, budget=args.budget, node_topk=args.k, corr_topm=args.m,
                       **knobs)
     compare = shipped if args.compare_ar is None else args.compare_ar
-    baseline = generate(target, prompts, "ar", **knobs) if compare and args.method != "ar" else None
+    baseline = generate(target, prompts, "ar", **knobs) if compare and drafts else None
     for i, (toks, st) in enumerate(zip(result.tokens, result.stats)):
         text = tokenizer.decode(toks) if tokenizer is not None else None
         speedup = st["tokens_per_second"] / baseline.stats[i]["tokens_per_second"] if baseline else None

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax.build import BUILDERS, DraftRound, build_tree, lane_widths
+from dtree_jax.builders import BUILDERS, DraftRound, build_tree, lane_widths
 from dtree_jax.models.domino_head import DominoHead, gru_step
 
 H, G, E, V, K = 2560, 1024, 256, 151936, 16

@@ -15,7 +15,7 @@ Sections, each recorded in the JSON (``--out``; default ``$OUT/gpu_check.json`` 
      (``reference_tree_attention``) vs ``jax.nn.dot_product_attention`` with an explicit mask, over
      prefix 1K/8K/32K x N 16/32/64 x batch 1/8, with achieved HBM bandwidth (K/V bytes of lens + N rows);
   5. hooks: ``bench_verify_vs_ar`` (verify forward vs AR step) and ``bench_frontier_build`` take callables;
-     they are filled from ``dtree_jax.models.qwen3`` and ``dtree_jax.build`` when those import, else skipped
+     they are filled from ``dtree_jax.models.qwen3`` and ``dtree_jax.builders`` when those import, else skipped
      with a printed note.
 A time budget (``--budget-s``) skips what would not fit; the short table is printed last.
 """
@@ -237,9 +237,9 @@ def qwen3_steps(cfg: dict, impl: str, prefix: int, nodes: int, batch: int):
 
 
 def frontier_steps(cfg: dict):
-    """Filler for ``bench_frontier_build`` from ``dtree_jax.build`` (random drafter outputs): yields
+    """Filler for ``bench_frontier_build`` from ``dtree_jax.builders`` (random drafter outputs): yields
     (label, build_step) per method, batch and budget."""
-    from dtree_jax import build
+    from dtree_jax import builders
     from dtree_jax.models.domino_head import DominoHead
 
     k_, hdim, vocab, g, e = cfg["depths"], cfg["hidden"], cfg["vocab"], cfg["gru"], cfg["e"]
@@ -248,7 +248,7 @@ def frontier_steps(cfg: dict):
                         zip(keys[:4], [(hdim, 3 * g), (g, 3 * g), (hdim + g, e), (vocab, e)])))
     embed = 0.02 * jax.random.normal(keys[4], (vocab, hdim))
     for b in cfg["batch"]:
-        rnd = build.DraftRound(
+        rnd = builders.DraftRound(
             ph=jax.random.normal(keys[5], (b, k_, hdim)),
             base=3 * jax.random.normal(keys[6], (b, k_, vocab)),
             root_state=jnp.zeros((b, g), jnp.float32),
@@ -256,7 +256,7 @@ def frontier_steps(cfg: dict):
         )
         for budget in cfg["budget"]:
             for method in ("ddtree", "dominotree"):
-                fn = functools.partial(build.build_tree, method, rnd, head, embed, budget=budget, k=8, M=64,
+                fn = functools.partial(builders.build_tree, method, rnd, head, embed, budget=budget, k=8, M=64,
                                        mask_token_id=0)
                 yield f"{method} B={b} budget={budget}", lambda fn=fn: fn().tokens
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dtree_jax.build import build_tree
+from dtree_jax.builders import build_tree
 from test_build_helpers import assert_same_tree, random_round, tiny_model
 
 # (M, P, K, k, budget): the §7.4 frontier equivalence suite.

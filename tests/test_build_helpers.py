@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax.build import DraftRound
+from dtree_jax.builders import DraftRound
 from dtree_jax.models.domino_head import DominoHead, gru_step
 
 V, H, G, E = 89, 12, 10, 24

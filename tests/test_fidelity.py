@@ -170,7 +170,7 @@ def test_drafter_config_field_matches_the_dflash_package(field):
 
 def test_output_multiplier_and_softcap_match_the_dflash_package():
     """They leave greedy chains alone (monotone) but change the scores the tree builders rank by."""
-    from dtree_jax import build
+    from dtree_jax import builders
 
     tmodel, (_, tcfg, tparams) = _dense()
     d = _drafter_dict("dense", head=False)
@@ -185,7 +185,7 @@ def test_output_multiplier_and_softcap_match_the_dflash_package():
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)
     plain = np.asarray(qwen3.lm_head(tparams, tcfg, jnp.asarray(ph)))
     trees = [
-        build.build_tree("ddtree", build.DraftRound(ph=jnp.asarray(ph), base=jnp.asarray(base), root_state=None,
+        builders.build_tree("ddtree", builders.DraftRound(ph=jnp.asarray(ph), base=jnp.asarray(base), root_state=None,
                                                     root=jnp.zeros((2,), jnp.int32)), budget=30, k=8,
                          mask_token_id=cfg.mask_token_id)
         for base in (ours, plain)

@@ -1,19 +1,20 @@
-"""Draft-tree builders: scorers (marginal, Domino conditional, condstatic), the host heap reference and the
-jitted frontier builder, and ``build_tree`` which composes them per method."""
+"""Draft-tree builders: the method registry, scorers (marginal, Domino conditional, condstatic), the host heap
+reference and the jitted frontier builder, and ``build_tree`` which composes them per method."""
 
-from dtree_jax.build.frontier import frontier_tree, lane_widths
-from dtree_jax.build.heap import best_first, heap_tree
-from dtree_jax.build.methods import (
+from dtree_jax.builders.frontier import frontier_tree, lane_widths
+from dtree_jax.builders.heap import best_first, heap_tree
+from dtree_jax.builders.methods import (
     BUILDERS,
-    CHAIN_METHODS,
-    METHODS,
+    DRAFT_METHODS,
+    REGISTRY,
     TREE_METHODS,
+    Method,
     build_tree,
     chain_draft,
-    default_corr_topm,
+    get_method,
     make_scorer,
 )
-from dtree_jax.build.scorers import (
+from dtree_jax.builders.scorers import (
     DominoScorer,
     DraftRound,
     MenuScorer,
@@ -26,9 +27,10 @@ from dtree_jax.build.scorers import (
 
 __all__ = [
     "BUILDERS",
-    "CHAIN_METHODS",
-    "METHODS",
+    "DRAFT_METHODS",
+    "REGISTRY",
     "TREE_METHODS",
+    "Method",
     "DominoScorer",
     "DraftRound",
     "MenuScorer",
@@ -36,11 +38,11 @@ __all__ = [
     "build_tree",
     "chain_draft",
     "chain_menus",
-    "default_corr_topm",
     "children",
     "condstatic_scorer",
     "domino_scorer",
     "frontier_tree",
+    "get_method",
     "heap_tree",
     "lane_widths",
     "make_scorer",

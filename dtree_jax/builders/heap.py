@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax.build.scorers import children
+from dtree_jax.builders.scorers import children
 from dtree_jax.tree import Tree, ancestor_mask
 
 _children = jax.jit(children, static_argnames="d")

@@ -1,4 +1,5 @@
-"""One entry point per drafting method; every method is a scorer plus a builder.
+"""The method registry (``REGISTRY``: name -> frozen ``Method``) and ``build_tree``, which builds any drafting
+method's tree from its scorer.  Adding a method is one registry entry.
 
 =============  ==========================================  =========================
 method         scorer                                      builder
@@ -21,9 +22,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.build.frontier import frontier_tree
-from dtree_jax.build.heap import heap_tree
-from dtree_jax.build.scorers import (
+from dtree_jax.builders.frontier import frontier_tree
+from dtree_jax.builders.heap import heap_tree
+from dtree_jax.builders.scorers import (
     DominoScorer,
     DraftRound,
     chain_menus,
@@ -34,28 +35,67 @@ from dtree_jax.build.scorers import (
 from dtree_jax.models.domino_head import DominoHead
 from dtree_jax.tree import Tree, chain_tree
 
-CHAIN_METHODS = ("dflash", "domino")
-TREE_METHODS = ("ddtree", "dominotree", "condstatic")
-METHODS = CHAIN_METHODS + TREE_METHODS
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One decoding method: which scorer rates its drafts, and whether it verifies a tree or a chain.
+
+    ``scorer``: "marginal" (per-depth top-k of the base logits), "domino" (the GRU correction along each
+    node's own path), "condstatic" (the correction once per depth along the greedy chain), or None (``ar``:
+    no drafter).  ``tree``: a best-first tree of ``budget`` non-root nodes, else the greedy chain of
+    ``min(max_depth, K)`` drafts.  ``corr_topm``: the default candidate width M, the reference's (specforge's
+    Domino chain corrects over the full vocabulary, 0; Domino-Tree's builder over the top 64).
+    """
+
+    name: str
+    scorer: str | None
+    tree: bool = False
+    corr_topm: int = 0
+
+    @property
+    def drafts(self) -> bool:
+        return self.scorer is not None
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether it needs a Domino drafter (the GRU correction head)."""
+        return self.scorer in ("domino", "condstatic")
+
+    def draft_nodes(self, budget: int, depth: int) -> int:
+        """Non-root nodes of a round's draft: ``budget`` for trees, ``depth`` for chains, 0 for ``ar``."""
+        return 0 if not self.drafts else budget if self.tree else depth
+
+
+REGISTRY = {
+    m.name: m
+    for m in (
+        Method("ar", None),
+        Method("dflash", "marginal"),
+        Method("domino", "domino"),
+        Method("ddtree", "marginal", tree=True),
+        Method("dominotree", "domino", tree=True, corr_topm=64),
+        Method("condstatic", "condstatic", tree=True, corr_topm=64),  # the section 4.8 ablation
+    )
+}
+DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.drafts)  # what build_tree builds
+TREE_METHODS = tuple(name for name, m in REGISTRY.items() if m.tree)
 BUILDERS = ("frontier", "heap")
-# The reference's candidate width M per Domino method: specforge's Domino chain corrects over the full
-# vocabulary (0); Domino-Tree's builder over the top 64 (its ``DOMINOTREE_CORR_TOPM``), the ablation likewise.
-DEFAULT_CORR_TOPM = {"domino": 0, "dominotree": 64, "condstatic": 64}
 
 
-def default_corr_topm(method: str) -> int:
-    """``M`` when none is given: the reference implementation's default for ``method`` (unused by the
-    methods without the GRU head)."""
-    return DEFAULT_CORR_TOPM.get(method, 0)
+def get_method(name: str) -> Method:
+    """The registered method called ``name``; ValueError naming the known ones otherwise."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; expected one of {tuple(REGISTRY)}")
+    return REGISTRY[name]
 
 
 def make_scorer(
     method: str, rnd: DraftRound, head: DominoHead | None, embed: jax.Array | None, *, k: int, M: int, P: int
 ):
     """The method's scorer for this round (no validation; see ``build_tree``)."""
-    if method in ("dflash", "ddtree"):
+    scorer = get_method(method).scorer
+    if scorer == "marginal":
         return marginal_scorer(rnd, k=k)
-    if method in ("domino", "dominotree"):
+    if scorer == "domino":
         return domino_scorer(rnd, head, embed, k=k, M=M, P=P)
     return condstatic_scorer(rnd, head, embed, k=k, M=M, P=P)
 
@@ -71,7 +111,7 @@ def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
 
 @functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "P", "max_depth", "mask_token_id"))
 def _build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
-    if method in CHAIN_METHODS:
+    if not get_method(method).tree:
         scorer = make_scorer(method, rnd, head, embed, k=1, M=M, P=P)
         return chain_draft(scorer, rnd.root, max_depth=max_depth)
     scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
@@ -109,19 +149,20 @@ def build_tree(
 
     ``budget``: non-root nodes (trees have ``budget + 1`` nodes; chains ``min(max_depth, K) + 1`` and ignore
     ``budget``, ``k`` and ``builder``); ``k``: children per node (clamped to ``M`` when ``M > 0``); ``M``:
-    correction candidates (0 = full vocabulary; default ``default_corr_topm(method)``); ``P``: pure-draft prefix length (uncorrected depths);
+    correction candidates (0 = full vocabulary; default: the method's ``corr_topm``); ``P``: pure-draft prefix length (uncorrected depths);
     ``max_depth``: ledger depths used (default K); ``mask_token_id``: dead-leaf token (tree methods).
     ``builder``: ``"frontier"`` (one jit, batched, no host syncs) or ``"heap"`` (host reference, same tree on
     tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
     Callable inside ``jax.jit`` with the frontier builder (all checks are on shapes and Python values).
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    spec = get_method(method)
+    if not spec.drafts:
+        raise ValueError(f"method {method!r} drafts nothing; expected one of {DRAFT_METHODS}")
     if builder not in BUILDERS:
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
-    b, depth, vocab = _check_round(rnd, head, embed, needs_head=method not in ("dflash", "ddtree"))
+    b, depth, vocab = _check_round(rnd, head, embed, needs_head=spec.needs_head)
     max_depth = depth if max_depth is None else max_depth
-    M = default_corr_topm(method) if M is None else M
+    M = spec.corr_topm if M is None else M
     knobs = {"budget": (budget, 1), "k": (k, 1), "max_depth": (max_depth, 1), "M": (M, 0), "P": (P, 0)}
     for name, (value, low) in knobs.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
@@ -132,13 +173,13 @@ def build_tree(
     k = min(k, M) if M > 0 else k
     if k > vocab:
         raise ValueError(f"k = {k} exceeds the vocabulary size {vocab}")
-    if method in TREE_METHODS:
+    if spec.tree:
         if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < vocab:
             raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
         mask_token_id = int(mask_token_id)
     else:
         mask_token_id = None
-    if builder == "heap" and method in TREE_METHODS:
+    if builder == "heap" and spec.tree:
         scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, P=P)
         return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
     return _build(
