@@ -29,9 +29,8 @@ import numpy as np
 
 from dtree_jax import builders
 from dtree_jax.convert import MODEL_MODULES
-from dtree_jax.models.domino_head import gru_step
 from dtree_jax.tree import Tree, chain_tree
-from dtree_jax.verify import accept_sampled, compact_kv, sample_tokens
+from dtree_jax.verify import accept_sampled, sample_tokens
 
 METHODS = tuple(builders.REGISTRY)  # the method registry's names, "ar" first
 STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CAPACITY = 0, 1, 2, 3
@@ -131,16 +130,9 @@ def _draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRo
     """Drafter block for the current root: ph rows, base logits and the root's GRU state."""
     if not spec.record.drafts:
         return None
-    dr, tg = spec.drafter, spec.target
-    ph_full = dr.draft_block(dparams, spec.drafter_cfg, tparams, state.dcache, state.lens, state.root)
-    ph = dr.draft_rows(ph_full, spec.drafter_cfg)
-    base = dr.scale_logits(spec.drafter_cfg, tg.lm_head(tparams, spec.target_cfg, ph))
-    embed_root = tg.embed(tparams, state.root)
-    head = dparams.head
-    if head is None:
-        root_state = jnp.zeros((state.root.shape[0], 1), jnp.float32)
-    else:
-        root_state = gru_step(head, jnp.zeros(embed_root.shape[:-1] + (head.gru_dim,), jnp.float32), embed_root)
+    ph, base, root_state = spec.drafter.draft_round(
+        dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg, state.dcache, state.lens, state.root
+    )
     return builders.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root)
 
 
@@ -193,7 +185,7 @@ def _accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state:
         num == first_stop, STOP_EOS, jnp.where(state.out_len + num >= spec.max_new_tokens, STOP_MAX_NEW, STOP_RUNNING)
     )
     # Commit the root and the accepted drafts (path[:num]); the bonus becomes the next root.
-    cache = commit_target(spec, cache, state.lens, acc.path, num)
+    cache = spec.target.commit(spec.target_cfg, cache, state.lens, acc.path, num)
     dcache = state.dcache
     if spec.drafter_cfg is not None:
         path_feats = jnp.take_along_axis(feats, jnp.clip(acc.path, 0)[:, :, None], axis=1)
@@ -229,14 +221,6 @@ def _is_stop(spec: Spec, tokens: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stops, axis=-1)
 
 
-def commit_target(spec: Spec, cache, lens, path, num):
-    """The target's commit: its own ``commit`` when it has recurrent state, else KV compaction."""
-    commit = getattr(spec.target, "commit", None)
-    if commit is not None:
-        return commit(spec.target_cfg, cache, lens, path, num)
-    return compact_kv(cache, lens, path, num)
-
-
 def _round(spec: Spec, tparams, dparams, temperature, state: DecodeState) -> DecodeState:
     rnd = _draft(spec, tparams, dparams, state)
     tree = _build_tree(spec, tparams, dparams, rnd, state)
@@ -255,11 +239,7 @@ def _prefill(spec: Spec, tparams, dparams, prompts, prompt_lens, key, temperatur
     cache = tg.init_cache(spec.target_cfg, b, spec.cache_len)
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    if hasattr(tg, "prefill"):  # recurrent targets: chunked prefill that commits their state
-        logits, feats, cache = tg.prefill(tparams, spec.target_cfg, prompts, cache, prompt_lens, spec.taps)
-    else:
-        causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
-        logits, feats, cache = tg.forward(tparams, spec.target_cfg, prompts, positions, cache, zeros, causal, spec.taps)
+    logits, feats, cache = tg.prefill(tparams, spec.target_cfg, prompts, cache, prompt_lens, spec.taps)
     key, sub = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     root = sample_tokens(sub, last_logits, temperature, spec.top_k, spec.top_p)

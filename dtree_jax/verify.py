@@ -1,4 +1,5 @@
-"""Acceptance rules for a verified draft tree, and KV compaction of the accepted path.
+"""Acceptance rules for a verified draft tree (the KV compaction of the accepted path is
+``dtree_jax.models.cache.compact_kv``).
 
 All functions are jit-able with fixed shapes and take a single tree (``[N]``) or a batch (``[B, N]``).
 Node 0 is the root (the last committed token, whose KV is written by the verify pass); ``parents`` are
@@ -6,7 +7,7 @@ topologically ordered (see ``dtree_jax.tree``).
 
 The result of every rule is an ``Acceptance``: ``emitted[:num_emitted]`` are the accepted draft tokens
 followed by the target's correction/bonus token, and ``path[:num_emitted]`` the visited nodes starting
-with the root, whose KV entries are kept (the bonus token becomes the next round's root).
+with the root, whose KV entries the target's ``commit`` keeps (the bonus token becomes the next round's root).
 """
 
 from __future__ import annotations
@@ -208,40 +209,3 @@ def accept_rejection(
 # ----------------------------------------------------------------------------------------------------------
 # Commit
 # ----------------------------------------------------------------------------------------------------------
-
-
-def compact_kv(cache, lens: jax.Array, path: jax.Array, num_emitted: jax.Array):
-    """Moves the accepted tree entries to contiguous rows right after each request's prefix.
-
-    Every leaf of ``cache`` is ``[B, L, ...]`` and holds the verified tree's entries at rows
-    ``[lens, lens + N)``.  Rows ``lens + path[b, j]`` for ``j < num_emitted[b]`` (root and accepted nodes,
-    in path order) are written to ``lens + j``; every other row is unchanged.  The caller then advances
-    ``lens`` by ``num_emitted``.
-    """
-    lens = jnp.asarray(lens, jnp.int32)  # [B]
-    path = jnp.asarray(path, jnp.int32)  # [B, N]
-    num_emitted = jnp.asarray(num_emitted, jnp.int32)  # [B]
-    if path.ndim != 2 or lens.shape != path.shape[:1] or num_emitted.shape != lens.shape:
-        raise ValueError(f"need lens [B], path [B, N], num_emitted [B]; got {lens.shape}, {path.shape}, "
-                         f"{num_emitted.shape}")
-    n = path.shape[1]
-    j = jnp.arange(n)
-    keep = j[None, :] < num_emitted[:, None]  # [B, N]
-    dst = lens[:, None] + j[None, :]
-    src = lens[:, None] + jnp.clip(path, 0)
-
-    def move(leaf):
-        if leaf.ndim < 2 or leaf.shape[0] != lens.shape[0]:
-            raise ValueError(f"cache leaves must be [B, L, ...] with B = {lens.shape[0]}, got {leaf.shape}")
-        length = leaf.shape[1]
-        take = lambda rows: jnp.take_along_axis(
-            leaf, jnp.clip(rows, 0, length - 1).reshape(rows.shape + (1,) * (leaf.ndim - 2)), axis=1
-        )
-        moved = take(src)
-        old = take(dst)
-        sel = keep.reshape(keep.shape + (1,) * (leaf.ndim - 2))
-        new = jnp.where(sel, moved, old)
-        rows = jnp.where(keep, dst, length)  # out-of-range rows are dropped
-        return jax.vmap(lambda l, r, v: l.at[r].set(v, mode="drop"))(leaf, rows, new)
-
-    return jax.tree_util.tree_map(move, cache)

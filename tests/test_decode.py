@@ -228,3 +228,15 @@ def test_package_exports_generate_lazily():
     code = "import sys, dtree_jax; assert 'dtree_jax.decode' not in sys.modules; print(dtree_jax.generate.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "dtree_jax.decode"
+
+
+def test_every_target_module_satisfies_the_target_protocol():
+    """The loop calls these and nothing else on a target (no duck typing of optional hooks)."""
+    from dtree_jax.convert import MODEL_MODULES
+    from dtree_jax.models import protocol
+
+    targets = {kind for kind in MODEL_MODULES if kind != "drafter"}
+    assert targets >= {"qwen3", "qwen2", "llama", "qwen3_5"}
+    for kind in targets:
+        assert isinstance(Model(kind, None, None).module, protocol.TargetModel), kind
+    assert not isinstance(Model("drafter", None, None).module, protocol.TargetModel)

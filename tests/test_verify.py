@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from dtree_jax.demo import CARD_TREE_PATHS
 from dtree_jax.tree import tree_from_paths
-from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, compact_kv, filter_logits
+from dtree_jax.models.cache import compact_kv
+from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, filter_logits
 
 
 def walk(parents, tokens, target_next):

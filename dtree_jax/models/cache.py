@@ -1,4 +1,4 @@
-"""Per-layer attention K/V cache shared by the target and the drafter.
+"""Per-layer attention K/V cache shared by the target and the drafter, and its compaction after a verify.
 
 Lengths are not stored here: callers carry ``lens [B]`` (rows committed per request) and advance it
 themselves, so dropping rows ("crop") is just not advancing ``lens`` over them.
@@ -32,3 +32,40 @@ def init_kv_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
     return KVCache(k=zeros(), v=zeros())
+
+
+def compact_kv(cache, lens: jax.Array, path: jax.Array, num_emitted: jax.Array):
+    """Moves the accepted tree entries to contiguous rows right after each request's prefix.
+
+    Every leaf of ``cache`` is ``[B, L, ...]`` and holds the verified tree's entries at rows
+    ``[lens, lens + N)``.  Rows ``lens + path[b, j]`` for ``j < num_emitted[b]`` (root and accepted nodes,
+    in path order) are written to ``lens + j``; every other row is unchanged.  The caller then advances
+    ``lens`` by ``num_emitted``.
+    """
+    lens = jnp.asarray(lens, jnp.int32)  # [B]
+    path = jnp.asarray(path, jnp.int32)  # [B, N]
+    num_emitted = jnp.asarray(num_emitted, jnp.int32)  # [B]
+    if path.ndim != 2 or lens.shape != path.shape[:1] or num_emitted.shape != lens.shape:
+        raise ValueError(f"need lens [B], path [B, N], num_emitted [B]; got {lens.shape}, {path.shape}, "
+                         f"{num_emitted.shape}")
+    n = path.shape[1]
+    j = jnp.arange(n)
+    keep = j[None, :] < num_emitted[:, None]  # [B, N]
+    dst = lens[:, None] + j[None, :]
+    src = lens[:, None] + jnp.clip(path, 0)
+
+    def move(leaf):
+        if leaf.ndim < 2 or leaf.shape[0] != lens.shape[0]:
+            raise ValueError(f"cache leaves must be [B, L, ...] with B = {lens.shape[0]}, got {leaf.shape}")
+        length = leaf.shape[1]
+        take = lambda rows: jnp.take_along_axis(
+            leaf, jnp.clip(rows, 0, length - 1).reshape(rows.shape + (1,) * (leaf.ndim - 2)), axis=1
+        )
+        moved = take(src)
+        old = take(dst)
+        sel = keep.reshape(keep.shape + (1,) * (leaf.ndim - 2))
+        new = jnp.where(sel, moved, old)
+        rows = jnp.where(keep, dst, length)  # out-of-range rows are dropped
+        return jax.vmap(lambda l, r, v: l.at[r].set(v, mode="drop"))(leaf, rows, new)
+
+    return jax.tree_util.tree_map(move, cache)

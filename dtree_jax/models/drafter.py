@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from dtree_jax.models import qwen3
 from dtree_jax.models.cache import KVCache, init_kv_cache
 from dtree_jax.models.config import DrafterConfig, Qwen3Config
-from dtree_jax.models.domino_head import DominoHead, corrected_logits, gru_run
+from dtree_jax.models.domino_head import DominoHead, corrected_logits, gru_run, gru_step
 from dtree_jax.models.layers import (
     LayerParams,
     Leaf,
@@ -169,6 +169,28 @@ def draft_block(
         local = jnp.broadcast_to(visible, (b, bs, bs))
         x, _, _ = decoder_layer(p, m, x, cos, sin, cache.k[i], cache.v[i], ctx_lens, local, window)
     return rms_norm(x, params.norm, m.rms_norm_eps)
+
+
+def draft_round(
+    params: DrafterParams,
+    cfg: DrafterConfig,
+    target,  # the target's module (``models.protocol.TargetModel``): its embed and lm_head
+    target_params,
+    target_cfg,
+    cache: KVCache,
+    ctx_lens: jax.Array,  # [B] int32 context length (= the target's committed length)
+    root: jax.Array,  # [B] int32 last committed token
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (ph [B, K, H], base [B, K, V] fp32, root_state [B, G] fp32)
+    """Everything a round's tree builder needs from the drafter: the draft rows ``ph``, their base logits
+    (``scale_logits`` of the target's lm_head) and the Domino GRU state after the root's embedding (``[B, 1]``
+    zeros for a plain DFlash drafter)."""
+    ph = draft_rows(draft_block(params, cfg, target_params, cache, ctx_lens, root), cfg)
+    base = scale_logits(cfg, target.lm_head(target_params, target_cfg, ph))
+    if params.head is None:
+        return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32)
+    embed_root = target.embed(target_params, root)
+    zeros = jnp.zeros(embed_root.shape[:-1] + (params.head.gru_dim,), jnp.float32)
+    return ph, base, gru_step(params.head, zeros, embed_root)
 
 
 def scale_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:  # [..., V] fp32 -> [..., V] fp32

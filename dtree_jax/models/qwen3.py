@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.cache import KVCache, init_kv_cache
+from dtree_jax.models.cache import KVCache, compact_kv, init_kv_cache
 from dtree_jax.models.config import Qwen3Config
 from dtree_jax.models.layers import (
     LayerParams,
@@ -136,3 +136,34 @@ def forward(
     tapped[cfg.num_layers - 1] = normed  # HF's hidden_states[L] is taken after the final norm
     feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
     return lm_head(params, cfg, normed), feats, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def prefill(
+    params: Qwen3Params,
+    cfg: Qwen3Config,
+    tokens: jax.Array,  # [B, P] int32 right-padded prompts
+    cache: KVCache,  # fresh (init_cache)
+    prompt_lens: jax.Array,  # [B] int32 real prompt lengths (>= 1)
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Prompt pass (one causal ``forward`` from row 0): ``(logits [B, P, V] fp32, feats [B, P, len(taps) * H],
+    cache)``; outputs at padded positions are garbage and the caller's ``lens = prompt_lens`` never covers
+    their K/V rows."""
+    del prompt_lens  # attention state needs no per-request end: padded rows are simply never committed
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
+    return forward(params, cfg, tokens, positions, cache, jnp.zeros((b,), jnp.int32), causal, taps)
+
+
+def commit(
+    cfg: Qwen3Config,
+    cache: KVCache,  # from forward (the tree's K/V at rows [lens, lens + N))
+    lens: jax.Array,  # [B] int32 committed length before the verify
+    path: jax.Array,  # [B, N] int32 accepted node indices in path order (path[:, 0] = 0, the root)
+    num_emitted: jax.Array,  # [B] int32 nodes of path to commit (root + accepted drafts)
+) -> KVCache:
+    """Commits the accepted path: its K/V rows compacted to ``[lens, lens + num_emitted)`` (``compact_kv``).
+    The caller advances ``lens`` by ``num_emitted``."""
+    del cfg
+    return compact_kv(cache, lens, path, num_emitted)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dtree_jax.models import kernels
+from dtree_jax.models.cache import compact_kv
 from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta, check_kernel_platform
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
 from dtree_jax.models.qwen3 import embed, lm_head  # same embedding/head layout as the dense target
@@ -41,7 +42,6 @@ from dtree_jax.models.layers import (
     swiglu,
     write_rows,
 )
-from dtree_jax.verify import compact_kv
 from dtree_jax.models.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mixer
 
 FULL, LINEAR = "full_attention", "linear_attention"

@@ -1,0 +1,42 @@
+"""What the decode loop needs from a target model: the ``TargetModel`` protocol.
+
+Our targets are modules of functions (``dtree_jax.models.qwen3`` for Qwen3 / Llama / Qwen2,
+``dtree_jax.models.qwen3_5`` for the hybrid Gated-DeltaNet models); any object with these attributes decodes
+with every method (a Flax NNX module through a thin adapter, for instance).  ``params`` and ``cache`` are
+pytrees the loop passes through untouched; ``cfg`` is static (hashable).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    def embed(self, params: Any, tokens: jax.Array) -> jax.Array:
+        """``tokens [...]`` -> embeddings ``[..., H]`` (the drafter embeds its block with them)."""
+
+    def lm_head(self, params: Any, cfg: Any, x: jax.Array) -> jax.Array:
+        """Final-normed hidden ``x [..., H]`` -> fp32 logits ``[..., V]`` (the drafter's base logits)."""
+
+    def init_cache(self, cfg: Any, batch: int, max_len: int) -> Any:
+        """A fresh cache holding ``max_len`` rows per request."""
+
+    def prefill(self, params: Any, cfg: Any, tokens: jax.Array, cache: Any, prompt_lens: jax.Array,
+                taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, Any]:
+        """Right-padded prompts ``tokens [B, P]`` -> ``(logits [B, P, V], feats [B, P, F], cache)`` with every
+        request's state committed after its ``prompt_lens[b]`` real tokens."""
+
+    def forward(
+        self, params: Any, cfg: Any, tokens: jax.Array, positions: jax.Array, cache: Any, lens: jax.Array,
+        local_mask: jax.Array, taps: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, jax.Array, Any]:
+        """Tree verify: ``tokens, positions [B, N]`` after ``lens [B]`` committed tokens, node ``i`` seeing node
+        ``j`` iff ``local_mask [B, N, N]``; ``(logits [B, N, V] fp32, feats [B, N, F], cache)``.  ``feats``
+        concatenates HF's ``hidden_states[id + 1]`` for ``id`` in ``taps``."""
+
+    def commit(self, cfg: Any, cache: Any, lens: jax.Array, path: jax.Array, num_emitted: jax.Array) -> Any:
+        """Keeps the accepted ``path[:, :num_emitted]`` of the cache ``forward`` returned, as if those tokens had
+        been appended after ``lens``; the caller then advances ``lens`` by ``num_emitted``."""
