@@ -178,7 +178,7 @@ def dfs_intervals(parents: jax.Array) -> tuple[jax.Array, jax.Array]:  # [..., N
     earlier = idx[None, :] < idx[:, None]
     left = jnp.sum(jnp.where(same_parent & earlier, size[..., None, :], 0), axis=-1)  # [..., N]
     left = jnp.where(idx == 0, 0, left)
-    depth = jnp.sum(mask, axis=-1) - 1
+    depth = depths_from_mask(mask)
     pre = depth + jnp.einsum("...ij,...j->...i", mask, left)
     return pre.astype(jnp.int32), (pre + size).astype(jnp.int32)
 

@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax.tree import _is_concrete, ancestor_mask, check_parents, check_same_shape, dfs_intervals
+from dtree_jax.tree import (
+    _is_concrete,
+    ancestor_mask,
+    check_parents,
+    check_same_shape,
+    depths_from_mask,
+    dfs_intervals,
+)
 
 
 class Acceptance(NamedTuple):
@@ -91,7 +98,7 @@ def accept_greedy(parents: jax.Array, tokens: jax.Array, target_next: jax.Array)
     target_next = jnp.asarray(target_next, jnp.int32)
     n = parents.shape[-1]
     mask = ancestor_mask(parents)
-    depths = jnp.sum(mask, -1, dtype=jnp.int32) - 1
+    depths = depths_from_mask(mask)
     idx = jnp.arange(n)
     parent_next = jnp.take_along_axis(target_next, jnp.clip(parents, 0), axis=-1)
     ok = (tokens == parent_next) | (idx == 0)
