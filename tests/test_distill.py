@@ -1,0 +1,297 @@
+"""Self-distillation of a drafter (dtree_jax.distill, experiments/train_smollm2.py) on a tiny random Llama
+target: the data shards hold what the target says and exactly the taps the decode loop serves, generation and
+training resume where they stopped, the candidate objective equals the full heads at the candidates, and the
+exported drafter is lossless under every method."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtree_jax import distill, train
+from dtree_jax.decode import METHODS, Model, generate
+from dtree_jax.models import drafter, qwen3
+from tests import oracles
+
+TAPS = (1, 4)  # includes the last layer (post-final-norm)
+PROMPT_TOKENS, MAX_NEW, SHARD = 12, 10, 4
+
+
+@functools.lru_cache(maxsize=None)
+def _target():
+    model, d = oracles.tiny_dense("llama", tie=True, seed=21)
+    cfg = qwen3.config_from_hf(d, dtype="float32")
+    params = qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
+    return d, Model("llama", cfg, params, None, (5,))
+
+
+def _prompts(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(6, 128, int(rng.integers(3, PROMPT_TOKENS + 1))).tolist() for _ in range(n)]
+
+
+def _write(tmp, prompts=None, **kw):
+    _, target = _target()
+    args = dict(
+        taps=TAPS,
+        max_new_tokens=MAX_NEW,
+        prompt_tokens=PROMPT_TOKENS,
+        shard_size=SHARD,
+        top_k=8,
+        progress=False,
+    )
+    return distill.generate_shards(target, prompts or _prompts(), tmp, **dict(args, **kw))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    _write(d)
+    return d
+
+
+def test_shards_hold_the_targets_responses_and_taps(data_dir):
+    _, target = _target()
+    prompts = _prompts()
+    data = distill.load_shards(data_dir)
+    assert len(data) == len(prompts) and data.tokens.shape[1] == PROMPT_TOKENS + MAX_NEW
+    ar = generate(target, prompts, "ar", max_new_tokens=MAX_NEW, prompt_bucket=PROMPT_TOKENS)
+    b, t = data.tokens.shape
+    logits, feats, _ = qwen3.forward(
+        target.params,
+        target.cfg,
+        jnp.asarray(data.tokens),
+        jnp.tile(jnp.arange(t), (b, 1)),
+        qwen3.init_cache(target.cfg, b, t),
+        jnp.zeros(b, jnp.int32),
+        jnp.tile(jnp.tri(t, dtype=bool), (b, 1, 1)),
+        TAPS,
+    )  # causal: padding is harmless
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    for i, (p, resp) in enumerate(zip(prompts, ar.tokens)):
+        n = len(p) + len(resp)
+        assert data.prompt_lens[i] == len(p) and data.lens[i] == n
+        assert data.tokens[i, :n].tolist() == p + resp
+        np.testing.assert_allclose(data.feats[i, :n].astype(np.float32), feats[i, :n], rtol=1e-2, atol=1e-2)
+        top = np.argsort(-logp[i, :n], -1)[:, :8]
+        np.testing.assert_array_equal(data.top_ids[i, :n], top)
+        np.testing.assert_allclose(
+            data.top_logp[i, :n].astype(np.float32), np.take_along_axis(logp[i, :n], top, -1), atol=2e-2
+        )
+    h = target.cfg.hidden_size  # the last tap is the post-final-norm stream, not the raw residual
+    assert not np.allclose(data.feats[0, :5, h:].astype(np.float32), 0)
+    stats = distill.data_stats(data_dir)
+    assert stats["shards"] == 3 and stats["sequences"] == len(prompts) and stats["generate_seconds"] > 0
+
+
+def test_generation_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
+    import dtree_jax.decode as decode
+
+    def contents():
+        out = {}
+        for f in sorted(tmp_path.glob("shard-*.npz")):
+            with np.load(f) as z:
+                out[f.name] = {k: z[k].tolist() for k in z.files if not k.endswith("_seconds")}
+        return out
+
+    _write(tmp_path)
+    before = contents()
+    (tmp_path / "shard-00001.npz").unlink()
+    calls = []
+    real = decode.generate
+    monkeypatch.setattr(decode, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _write(tmp_path)
+    assert len(calls) == 1  # only the missing shard was generated again
+    assert contents() == before
+    with pytest.raises(ValueError, match="top_k"):
+        _write(tmp_path, top_k=4)
+    (tmp_path / "shard-00002.npz").unlink()
+    with pytest.raises(ValueError, match="shards missing"):
+        distill.load_shards(tmp_path)
+
+
+def _drafter_dict():
+    from experiments.train_smollm2 import drafter_config
+
+    d, _ = _target()
+    return drafter_config(d, layers=1, block_size=4, taps=list(TAPS), gru=8, emb=8)
+
+
+def _drafter(seed=0):
+    dcfg = drafter.config_from_hf(_drafter_dict(), dtype="float32")
+    return dcfg, train.init_params(drafter, dcfg, jax.random.key(seed), std=0.2)
+
+
+def test_candidate_logits_are_the_full_heads_at_the_candidates():
+    _, target = _target()
+    dcfg, dparams = _drafter()
+    rng = np.random.default_rng(3)
+    k = dcfg.num_draft_rows
+    ph = jnp.asarray(rng.normal(size=(5, k, target.cfg.hidden_size)), jnp.float32)
+    path = jnp.asarray(rng.integers(0, 128, (5, k)), jnp.int32)
+    own = jnp.asarray(rng.integers(0, 128, (5, k, 7)), jnp.int32)
+    shared = jnp.asarray(rng.integers(0, 128, 4), jnp.int32)
+    base, final = distill.candidate_logits(dparams, dcfg, target.params, target.cfg, ph, path, own, shared)
+    cand = jnp.concatenate([own, jnp.broadcast_to(shared, (5, k, 4))], -1)
+    full_final = drafter.path_logits(dparams, dcfg, target.params, target.cfg, ph, path)
+    full_base = qwen3.lm_head(target.params, target.cfg, ph)
+    np.testing.assert_allclose(final, jnp.take_along_axis(full_final, cand, -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(base, jnp.take_along_axis(full_base, cand, -1), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(final[:, 1:], base[:, 1:])  # the head corrects rows past the pure prefix
+    np.testing.assert_array_equal(final[:, 0], base[:, 0])
+
+
+def _fit(data, ckpt, dcfg, dparams, steps, stop_at=None, meta=None):
+    _, target = _target()
+
+    def loss(p, b, step):
+        return distill.distill_loss(
+            p, dcfg, target.params, target.cfg, b, distill.lambda_base(step, steps // 2, steps // 2)
+        )
+
+    def batch(step):
+        return distill.batch_at(data, step, batch=4, blocks=3, negatives=16, vocab=128, seed=1)
+
+    return distill.fit_resumable(
+        dparams,
+        loss,
+        batch,
+        ckpt,
+        steps=steps,
+        lr=1e-2,
+        warmup=2,
+        save_every=2,
+        log_every=1,
+        stop_at=stop_at,
+        meta=meta or dict(run="test"),
+        progress=False,
+    )
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(data_dir, tmp_path):
+    data = distill.load_shards(data_dir)
+    dcfg, dparams = _drafter()
+    straight, log = _fit(data, tmp_path / "a", dcfg, dparams, 8)
+    assert log["steps"] == list(range(8)) and np.mean(log["loss"][-2:]) < log["loss"][0]
+    _, first = _fit(data, tmp_path / "b", dcfg, dparams, 8, stop_at=3)
+    assert first["steps"] == [0, 1, 2] and first["step"] == 3
+    resumed, log_b = _fit(data, tmp_path / "b", dcfg, dparams, 8)
+    assert log_b["steps"] == log["steps"]
+    np.testing.assert_allclose(log_b["loss"], log["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="other settings"):
+        _fit(data, tmp_path / "b", dcfg, dparams, 8, meta=dict(run="other"))
+
+
+def test_batches_are_a_function_of_the_step(data_dir):
+    data = distill.load_shards(data_dir)
+    kw = dict(batch=4, blocks=3, negatives=16, vocab=128, seed=1)
+    a, b, c = (distill.batch_at(data, s, **kw) for s in (1, 1, 2))
+    assert all(np.array_equal(a[k], b[k]) for k in a) and not np.array_equal(a["anchors"], c["anchors"])
+    idx = [np.flatnonzero((data.tokens == row).all(1))[0] for row in a["tokens"]]
+    assert np.all(a["anchors"] >= data.prompt_lens[idx][:, None]) and np.all(
+        a["anchors"] <= data.lens[idx][:, None] - 2
+    )
+
+
+def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_path):
+    from experiments import train_smollm2 as ts
+
+    d, target = _target()
+    tdir = tmp_path / "target"
+    train.save_hf(tdir, d, train.hf_tensors(qwen3, target.cfg, target.params))
+    (tdir / "generation_config.json").write_text(json.dumps(dict(eos_token_id=5)))
+    args = [
+        "--target",
+        str(tdir),
+        "--data",
+        str(data_dir),
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / "drafter"),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--gru",
+        "8",
+        "--emb",
+        "8",
+        "--backbone-steps",
+        "2",
+        "--head-steps",
+        "2",
+        "--batch",
+        "4",
+        "--blocks",
+        "3",
+        "--negatives",
+        "16",
+        "--save-every",
+        "2",
+        "--warmup",
+        "1",
+        "--results",
+        str(tmp_path / "results"),
+    ]
+    ts.main(["train", *args, "--stop-at", "2"])
+    assert not (tmp_path / "drafter").exists()
+    with pytest.raises(ValueError, match="--resume"):
+        ts.main(["train", *args])
+    ts.main(["train", *args, "--resume"])
+    log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
+    assert log["step"] == 4 and log["steps"][-1] == 3 and log["recipe"]["head_steps"] == 2
+    ts.main(["export", *args])  # the export stage alone gives the same files
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert {str(v.dtype) for v in tensors.values()} == {"bfloat16"}
+    prompts = _prompts(3, seed=5)
+    knobs = dict(max_new_tokens=12, budget=4)
+    ref = generate(target, prompts, "ar", max_new_tokens=12)
+    for method in METHODS[1:]:
+        got = generate(target, prompts, method, str(tmp_path / "drafter"), **knobs)
+        assert got.tokens == ref.tokens, method
+
+
+def test_prompts_come_from_disjoint_files_and_are_reproducible():
+    train_p = distill.stdlib_prompts("train", 40, seed=0)
+    held = distill.stdlib_prompts("heldout", 12, seed=1)
+    assert held == distill.stdlib_prompts("heldout", 12, seed=1)
+    assert not {p.source for p in train_p} & {p.source for p in held}
+    assert sum(p.kind == "chat" for p in train_p) == 30 and {p.kind for p in held} == {"chat", "continue"}
+    with pytest.raises(ValueError, match="at most"):
+        distill.stdlib_prompts("heldout", 10**6)
+
+
+def test_full_vocabulary_objective_is_the_block_objective_on_greedy_data(data_dir):
+    """With one-hot target distributions, the full-vocabulary KD on stored features is ``train.drafter_loss``
+    (which recomputes the target's features): the same blocks, rows, labels and curriculum mix."""
+    _, target = _target()
+    data = distill.load_shards(data_dir)
+    dcfg, dparams = _drafter(seed=4)
+    keep = np.flatnonzero(data.lens - data.prompt_lens > dcfg.num_draft_rows + 1)[:4]
+    assert len(keep) >= 2
+    anchors = np.stack([data.prompt_lens[keep], data.prompt_lens[keep] + 1], 1).astype(np.int32)
+    one_hot = np.where(np.arange(data.top_logp.shape[-1]) == 0, 0.0, -1e4).astype(np.float16)
+    b = dict(
+        tokens=data.tokens[keep],
+        lens=data.lens[keep],
+        feats=data.feats[keep],
+        top_ids=data.top_ids[keep],
+        top_logp=np.broadcast_to(one_hot, data.top_logp[keep].shape),
+        anchors=anchors,
+        negatives=np.zeros((0,), np.int32),
+    )
+    kd = jax.jit(lambda b: distill.distill_loss(dparams, dcfg, target.params, target.cfg, b, 0.25)[0])
+    want = jax.jit(lambda t: train.drafter_loss(dparams, dcfg, target.params, target.cfg, t, anchors, 0.25))
+    np.testing.assert_allclose(kd(b), want(b["tokens"]), rtol=1e-2)
+    sampled = kd(dict(b, negatives=np.arange(6, 40, dtype=np.int32)))
+    assert abs(float(sampled) - float(want(b["tokens"]))) > 1e-3  # the sampled denominator is an estimate
