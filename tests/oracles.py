@@ -4,6 +4,10 @@ randomised (so ``w`` vs ``1 + w`` and missing-norm mistakes show)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -249,3 +253,47 @@ def context_drafts(draft, target, seq: list[int], starts, domino=None) -> dict[i
                 drafts = draft.compute_logits(ph[:, 1:], target.lm_head).argmax(-1)[0].tolist()
         out[start] = [seq[start]] + drafts
     return out
+
+
+def oracle_draft(reference: np.ndarray, original, decoy: bool = False):
+    """A drafter that knows the target's continuation at 4 of every 5 positions (noise at the 5th).  With
+    ``decoy``, at every 3rd position a wrong token outranks the truth, so accepted paths take second-rank
+    branches and are not contiguous in node order."""
+    ref = jnp.asarray(reference)
+
+    def draft(spec, tparams, dparams, state):
+        rnd = original(spec, tparams, dparams, state)
+        b, k, v = rnd.base.shape
+        pos = state.out_len[:, None] + jnp.arange(k)[None, :]  # output index of the token at depth d + 1
+        known = (pos % 5) != 4
+        truth = jnp.take_along_axis(ref, jnp.clip(pos, 0, ref.shape[1] - 1), axis=1)
+        boost = 30.0 * jax.nn.one_hot(truth, v) * known[..., None]
+        if decoy:
+            boost += 31.0 * jax.nn.one_hot((truth + 1) % v, v) * ((pos % 3) == 1)[..., None]
+        return rnd.__class__(ph=rnd.ph, base=rnd.base + boost, root_state=rnd.root_state, root=rnd.root)
+
+    return draft
+
+
+DENSE = {  # dense test cases: name -> (model_type, tie_word_embeddings, Llama 3.1 RoPE scaling)
+    "qwen3": ("qwen3", False, False),
+    "qwen3-tied": ("qwen3", True, False),
+    "llama": ("llama", True, False),
+    "llama3-rope": ("llama", False, True),
+    "qwen2": ("qwen2", True, False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def dense_case(name: str):
+    """``(HF model, our fp32 cfg, our fp32 params, keys read)`` for the ``DENSE`` case ``name``."""
+    from dtree_jax.models import qwen3
+
+    model_type, tie, llama3 = DENSE[name]
+    if model_type == "qwen3":
+        model, d = tiny_qwen3(tie, seed=3 if tie else 4)
+    else:
+        model, d = tiny_dense(model_type, tie, seed=7 + len(name), llama3_rope=llama3)
+    cfg = qwen3.config_from_hf(d, dtype="float32")
+    getter = StateGetter(model)
+    return model, cfg, qwen3.params_from_hf(cfg, getter, jnp.float32), getter.reads

@@ -3,7 +3,7 @@
 import pytest
 
 from dtree_jax.builders import build_tree
-from test_build_helpers import assert_same_tree, random_round, tiny_model
+from tests.build_oracles import assert_same_tree, random_round, tiny_model
 
 # (M, P, K, k, budget): the §7.4 frontier equivalence suite.
 CASES = [

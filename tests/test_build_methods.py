@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from dtree_jax.builders import DraftRound, build_tree, lane_widths
 from dtree_jax.builders.methods import _build
 from dtree_jax.models.domino_head import DominoHead
-from test_build_helpers import V, assert_same_tree, random_round, tiny_model
+from tests.build_oracles import V, assert_same_tree, random_round, tiny_model
 
 MASK = 5
 

@@ -12,7 +12,7 @@ import torch
 from dtree_jax import decode
 from dtree_jax.decode import Model, generate
 from dtree_jax.models import drafter, qwen3
-from oracles import StateGetter, tiny_domino, tiny_qwen3
+from tests.oracles import StateGetter, oracle_draft, tiny_domino, tiny_qwen3
 
 METHODS = ("dflash", "domino", "ddtree", "dominotree", "condstatic")
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
@@ -59,31 +59,11 @@ def test_greedy_lossless_with_random_drafter(models, ar_tokens, method):
     assert got.tokens[1] == want1
 
 
-def _oracle_draft(reference: np.ndarray, original, decoy: bool = False):
-    """A drafter that knows the target's continuation at 4 of every 5 positions (noise at the 5th).  With
-    ``decoy``, at every 3rd position a wrong token outranks the truth, so accepted paths take second-rank
-    branches and are not contiguous in node order."""
-    ref = jnp.asarray(reference)
-
-    def draft(spec, tparams, dparams, state):
-        rnd = original(spec, tparams, dparams, state)
-        b, k, v = rnd.base.shape
-        pos = state.out_len[:, None] + jnp.arange(k)[None, :]  # output index of the token at depth d + 1
-        known = (pos % 5) != 4
-        truth = jnp.take_along_axis(ref, jnp.clip(pos, 0, ref.shape[1] - 1), axis=1)
-        boost = 30.0 * jax.nn.one_hot(truth, v) * known[..., None]
-        if decoy:
-            boost += 31.0 * jax.nn.one_hot((truth + 1) % v, v) * ((pos % 3) == 1)[..., None]
-        return rnd.__class__(ph=rnd.ph, base=rnd.base + boost, root_state=rnd.root_state, root=rnd.root)
-
-    return draft
-
-
 @pytest.mark.parametrize("method", ["domino", "ddtree", "dominotree"])
 def test_greedy_lossless_with_oracle_drafter_accepts_long_paths(models, ar_tokens, method, monkeypatch):
     _, target, draft = models
     reference = np.array([t + [0] * 40 for t in ar_tokens], np.int32)
-    monkeypatch.setattr(decode, "_draft", _oracle_draft(reference, decode._draft))
+    monkeypatch.setattr(decode, "_draft", oracle_draft(reference, decode._draft))
     monkeypatch.setattr(decode, "_COMPILED", {})
     jax.clear_caches()
     got = generate(target, PROMPTS, method, draft, budget=10, max_new_tokens=24, stop_ids=())

@@ -12,9 +12,9 @@ import torch
 from dtree_jax import convert, decode
 from dtree_jax.decode import generate
 from dtree_jax.models import qwen3_5
-from oracles import tiny_domino
-from oracles_hybrid import tiny_hybrid
-from test_decode import _oracle_draft
+from tests.oracles import tiny_domino
+from tests.oracles_hybrid import tiny_hybrid
+from tests.oracles import oracle_draft
 
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
 
@@ -51,7 +51,7 @@ def test_every_method_lossless_on_hybrid(ckpts, method):
 def _oracle_run(ckpts, monkeypatch):
     _, _, target, draft, ar = ckpts
     reference = np.array([t + [0] * 40 for t in ar], np.int32)
-    monkeypatch.setattr(decode, "_draft", _oracle_draft(reference, decode._draft, decoy=True))
+    monkeypatch.setattr(decode, "_draft", oracle_draft(reference, decode._draft, decoy=True))
     monkeypatch.setattr(decode, "_COMPILED", {})
     jax.clear_caches()
     try:

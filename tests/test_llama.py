@@ -14,7 +14,6 @@ from dtree_jax.models import qwen3
 from dtree_jax.models.config import Llama3RoPE
 from dtree_jax.models.layers import rope_tables
 from tests import oracles
-from tests.test_qwen3 import _tiny
 
 
 def test_config_switches_and_refusals():
@@ -62,7 +61,7 @@ def test_llama3_rope_tables_match_hf():
     from the unscaled tables (so the scaling is exercised)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    model, cfg, _, _ = _tiny("llama3-rope")
+    model, cfg, _, _ = oracles.dense_case("llama3-rope")
     pos = np.array([[0, 1, 5, 17, 100, 1000, 4095]], np.int64)
     ref_cos, ref_sin = LlamaRotaryEmbedding(model.config)(
         torch.zeros(1, dtype=torch.float32), torch.tensor(pos)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,30 +19,8 @@ TAPS = (3, 0, 4, 2)  # out of order on purpose; 4 is the last layer (HF takes it
 forward = jax.jit(qwen3.forward, static_argnames=("cfg", "taps"))
 
 
-# The dense families share one model; each parity test runs on all of them.
-DENSE = {  # name -> (model_type, tie_word_embeddings, Llama 3.1 RoPE scaling)
-    "qwen3": ("qwen3", False, False),
-    "qwen3-tied": ("qwen3", True, False),
-    "llama": ("llama", True, False),
-    "llama3-rope": ("llama", False, True),
-    "qwen2": ("qwen2", True, False),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _tiny(name: str | bool):
-    """``(HF model, cfg, params, keys read)``; ``name`` is a ``DENSE`` key (a bool: Qwen3 tied or not)."""
-    if isinstance(name, bool):
-        name = "qwen3-tied" if name else "qwen3"
-    model_type, tie, llama3 = DENSE[name]
-    if model_type == "qwen3":
-        model, d = oracles.tiny_qwen3(tie, seed=3 if tie else 4)
-    else:
-        model, d = oracles.tiny_dense(model_type, tie, seed=7 + len(name), llama3_rope=llama3)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    getter = oracles.StateGetter(model)
-    params = qwen3.params_from_hf(cfg, getter, jnp.float32)
-    return model, cfg, params, getter.reads
+DENSE = oracles.DENSE  # the dense families share one model; each parity test runs on all of them
+_tiny = oracles.dense_case
 
 
 def _causal(b, t):
@@ -169,7 +146,7 @@ def test_tree_verify_matches_hf_paths(name):
 
 
 def test_bf16_forward_close_to_fp32():
-    _, cfg, params, _ = _tiny(False)
+    _, cfg, params, _ = _tiny("qwen3")
     cfg16 = dataclasses.replace(cfg, dtype="bfloat16")
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 8)), jnp.int32)
@@ -186,7 +163,7 @@ def test_bf16_forward_close_to_fp32():
 
 
 def test_forward_rejects_bad_inputs():
-    _, cfg, params, _ = _tiny(False)
+    _, cfg, params, _ = _tiny("qwen3")
     cache = qwen3.init_cache(cfg, 1, 4)
     toks, pos, lens = jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3), jnp.int32), jnp.zeros(1, jnp.int32)
     with pytest.raises(ValueError, match="taps"):
@@ -212,7 +189,7 @@ def test_pallas_dispatch_matches_xla():
 
     if not hasattr(ta, "tree_attention"):
         pytest.skip("pallas_kernels.tree_attention.tree_attention not written yet (another helper's file)")
-    _, cfg, params, _ = _tiny(False)
+    _, cfg, params, _ = _tiny("qwen3")
     cfg_p = dataclasses.replace(cfg, attention_impl="pallas")
     toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
