@@ -16,7 +16,6 @@ import argparse
 import json
 import pathlib
 import platform
-import pickle
 import sys
 import tempfile
 import time
@@ -74,8 +73,6 @@ def train_target(out: pathlib.Path, steps: int, batch: int, length: int, lr: flo
                             desc="target")
     eval_loss = float(np.mean([jax.jit(loss)(params, b, 0) for b, _ in
                                zip(train.windows(heldout, batch, length + 1, seed + 1), range(8))]))
-    (out.parent / ".target_params.pkl").parent.mkdir(parents=True, exist_ok=True)
-    (out.parent / ".target_params.pkl").write_bytes(pickle.dumps(jax.tree_util.tree_map(np.asarray, params)))
     train.save_hf(out, TARGET_CONFIG, train.hf_tensors(qwen3, cfg, params), train.tokenizer_json())
     write_log("target", dict(steps=log.steps, loss=log.losses, seconds=log.seconds, heldout_loss=eval_loss,
                              batch=batch, length=length, lr=lr, seed=seed, machine=machine()), results)
