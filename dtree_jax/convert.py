@@ -37,13 +37,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-DENSE_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # one module; the kind is the model_type
-MODEL_MODULES = {
-    **{kind: "dtree_jax.models.qwen3" for kind in DENSE_MODEL_TYPES},
-    "qwen3_5": "dtree_jax.models.qwen3_5",
-    "drafter": "dtree_jax.models.drafter",
-}
-TARGET_KINDS = DENSE_MODEL_TYPES + ("qwen3_5",)
+from dtree_jax.models import DENSE_MODEL_TYPES, MODEL_MODULES
+
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 DTYPES = ("bfloat16", "float16", "float32")
 INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))

@@ -1,4 +1,5 @@
-"""Roofline cost model of a verify step: ridge point, break-even batch, step cost and budget choice.
+"""Roofline cost model of a verify step, and the budget choice (``choose_budget``; ``auto_budget`` from a
+measured calibration): ridge point, break-even batch, step cost.
 
 A decode/verify step reads every weight once and does ``2 * params`` flops per token, so it stays
 bandwidth-bound until the batch verifies about ``ridge_tokens`` tokens per step.  A tree of N nodes at
@@ -8,7 +9,9 @@ batch B verifies ``B * N`` tokens: past the ridge every unused branch is paid-fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 from typing import Callable, Mapping
 
 
@@ -154,3 +157,48 @@ def choose_budget(
         if rate > best_rate * (1 + 1e-12):
             best, best_rate = budget, rate
     return best
+
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def auto_budget(calibration: dict, batch: int) -> int:
+    """The node budget ``cost.choose_budget`` picks for ``batch`` from a calibration measured on this machine:
+    ``{"tau_by_budget": {budget: tau}, "round_seconds": {batch: {budget: seconds per round}}}``.  Seconds for
+    an unmeasured batch are interpolated log-linearly between measured batches (proportionally beyond)."""
+    try:
+        taus = {int(b): float(t) for b, t in calibration["tau_by_budget"].items()}
+        table = {int(bs): {int(b): float(t) for b, t in row.items()} for bs, row in calibration["round_seconds"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed calibration (need tau_by_budget and round_seconds): {e}") from e
+    batches = sorted(table)
+    if not batches or any(set(table[b]) < set(taus) for b in batches):
+        raise ValueError("calibration round_seconds must cover every budget in tau_by_budget at every batch")
+
+    def seconds(b: int, verify_tokens: int) -> float:
+        budget = verify_tokens - 1
+        if b <= batches[0]:
+            return table[batches[0]][budget]
+        if b >= batches[-1]:
+            return table[batches[-1]][budget] * b / batches[-1]
+        hi = next(x for x in batches if x >= b)
+        lo = max(x for x in batches if x <= b)
+        if hi == lo:
+            return table[lo][budget]
+        w = (math.log(b) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return float(math.exp((1 - w) * math.log(table[lo][budget]) + w * math.log(table[hi][budget])))
+
+    return choose_budget(batch, taus, seconds)
+
+
+def load_calibration(calibration: dict | str | None, drafter_dir: str | None) -> dict:
+    """``calibration`` itself (a dict), the JSON file it names, or ``CALIBRATION_FILE`` in ``drafter_dir``."""
+    if isinstance(calibration, dict):
+        return calibration
+    path = calibration or (drafter_dir and pathlib.Path(drafter_dir) / CALIBRATION_FILE)
+    if not path or not pathlib.Path(path).is_file():
+        raise ValueError(
+            f"budget='auto' needs a calibration ({CALIBRATION_FILE} beside the drafter, or calibration=...); "
+            "experiments/run_experiments.py measures one"
+        )
+    return json.loads(pathlib.Path(path).read_text())

@@ -208,7 +208,7 @@ def generate_shards(
     sequences at a time."""
     from tqdm.auto import tqdm
 
-    from dtree_jax.decode import generate
+    from dtree_jax.api import generate
 
     out = pathlib.Path(out)
     taps = tuple(int(t) for t in taps)

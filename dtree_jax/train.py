@@ -155,7 +155,7 @@ def draft_hidden(dparams, dcfg: DrafterConfig, tparams, feats, tokens, anchors) 
     cache = drafter.append_context(dparams, dcfg, cache, jnp.zeros((b,), jnp.int32), feats, pos)
     cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, j, axis=0), cache)  # one copy per block
     root = block_gather(tokens, anchors, jnp.zeros((1,), jnp.int32))[:, 0]
-    ph_full = drafter.draft_block(dparams, dcfg, tparams, cache, anchors.reshape(-1), root)
+    ph_full = drafter.draft_block(dparams, dcfg, qwen3, tparams, cache, anchors.reshape(-1), root)
     return drafter.draft_rows(ph_full, dcfg)
 
 

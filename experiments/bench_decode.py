@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 from dtree_jax import train  # noqa: E402
-from dtree_jax.decode import _as_model, generate  # noqa: E402
+from dtree_jax.api import load_model, generate  # noqa: E402
 
 
 def heldout_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_decode.json"))
     a = p.parse_args(argv)
-    target, drafter = _as_model(a.target), _as_model(a.drafter)
+    target, drafter = load_model(a.target), load_model(a.drafter)
     prompts = heldout_prompts(a.prompts, a.prompt_len)
     groups = [prompts[i : i + a.batch] for i in range(0, len(prompts), a.batch)]
     rows = []

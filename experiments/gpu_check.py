@@ -323,17 +323,19 @@ def random_params(abstract, seed: int = 0):
 def loop_models(smoke: bool) -> dict:
     """name -> (target, drafter): the shipped pair (fp32 as shipped, and bf16 on the device) and a random
     hybrid GDN target with the shipped drafter (same width and vocabulary; its acceptance is meaningless)."""
-    from dtree_jax import convert, decode
+    from dtree_jax import api, convert
     from dtree_jax.models import qwen3_5
 
-    paths = [decode._shipped(p) for p in (decode.SHIPPED_TARGET, decode.SHIPPED_DRAFTER)]
-    dense = tuple(decode._as_model(p) for p in paths)
+    from dtree_jax.cli import SHIPPED_TINY, shipped
+
+    paths = [shipped(name) for name in SHIPPED_TINY]
+    dense = tuple(api.load_model(p) for p in paths)
     models = {"dense-fp32": dense}
     if not smoke:
         models["dense-bf16"] = tuple(
-            decode.Model(*convert.load_model(p, "bfloat16"), p, m.eos_token_ids) for p, m in zip(paths, dense))
+            api.Model(*convert.load_model(p, "bfloat16"), p, m.eos_token_ids) for p, m in zip(paths, dense))
     hcfg = qwen3_5.config_from_hf(HYBRID_TEXT, dtype="float32")
-    hybrid = decode.Model("qwen3_5", hcfg, random_params(qwen3_5.abstract_params(hcfg, jnp.float32)))
+    hybrid = api.Model("qwen3_5", hcfg, random_params(qwen3_5.abstract_params(hcfg, jnp.float32)))
     models["hybrid-fp32"] = (hybrid, dense[1])
     return models
 
@@ -351,7 +353,7 @@ def loop_checks(smoke: bool, clock: Clock, stop_at: float, out: dict, save: Call
     verify takes the XLA path on purpose).  b. ``runs``: each method generated with ``attention_impl="xla"``
     and ``"pallas"`` (this machine's kernels: Triton on GPU, interpret mode for ``--smoke``), tokens compared,
     and each pallas method compared with pallas ``ar`` (lossless)."""
-    from dtree_jax import decode
+    from dtree_jax import api
     from dtree_jax.models import kernels
 
     platform = "cpu" if smoke else "gpu"
@@ -363,8 +365,8 @@ def loop_checks(smoke: bool, clock: Clock, stop_at: float, out: dict, save: Call
             for method in methods:
                 row = dict(platform=lp, target=name, method=method)
                 try:
-                    t, d = (decode.with_kernels(m, "pallas", kp) for m in (target, draft))
-                    text = decode.trace_generation(t, d, method).lower(lowering_platforms=(lp,)).as_text()
+                    t, d = (api.with_kernels(m, "pallas", kp) for m in (target, draft))
+                    text = api.trace_generation(t, d, method).lower(lowering_platforms=(lp,)).as_text()
                     calls = kernels.lowered_kernel_calls(text)
                     row.update(calls=calls, ok=calls["triton" if kp == "gpu" else "mosaic"] > 0)
                 except Exception as e:
@@ -385,7 +387,7 @@ def loop_checks(smoke: bool, clock: Clock, stop_at: float, out: dict, save: Call
                 return
             row = dict(target=name, method=method, platform=platform)
             try:
-                gens = {impl: decode.generate(target, prompts, method, draft, attention_impl=impl,
+                gens = {impl: api.generate(target, prompts, method, draft, attention_impl=impl,
                                               kernel_platform=platform if impl == "pallas" else None, **knobs)
                         for impl in ("xla", "pallas")}
                 xla, pal = gens["xla"].tokens, gens["pallas"].tokens

@@ -80,10 +80,10 @@ def drafter_config(
 
 
 def _target(path: str | None):
-    from dtree_jax.decode import _as_model
+    from dtree_jax.api import load_model
     from dtree_jax.gguf import smollm2_gguf
 
-    return _as_model(path or smollm2_gguf())
+    return load_model(path or smollm2_gguf())
 
 
 def run_data(a) -> dict:

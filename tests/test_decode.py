@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax import decode
-from dtree_jax.decode import Model, generate
+from dtree_jax import api, loop
+from dtree_jax.cost import auto_budget
+from dtree_jax.api import Model, generate
 from dtree_jax.models import drafter, qwen3
 from tests.oracles import StateGetter, oracle_draft, tiny_domino, tiny_qwen3
 
@@ -63,8 +64,8 @@ def test_greedy_lossless_with_random_drafter(models, ar_tokens, method):
 def test_greedy_lossless_with_oracle_drafter_accepts_long_paths(models, ar_tokens, method, monkeypatch):
     _, target, draft = models
     reference = np.array([t + [0] * 40 for t in ar_tokens], np.int32)
-    monkeypatch.setattr(decode, "_draft", oracle_draft(reference, decode._draft))
-    monkeypatch.setattr(decode, "_COMPILED", {})
+    monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft))
+    monkeypatch.setattr(api, "COMPILED", {})
     jax.clear_caches()
     got = generate(target, PROMPTS, method, draft, budget=10, max_new_tokens=24, stop_ids=())
     jax.clear_caches()
@@ -84,9 +85,9 @@ def test_capacity_stops_cleanly(models, ar_tokens):
 def test_no_recompilation_within_a_bucket(models):
     _, target, draft = models
     generate(target, [[3, 4, 5]], "dominotree", draft, budget=8, max_new_tokens=8, stop_ids=())
-    before = decode.compilations()
+    before = api.compilations()
     other = generate(target, [[9, 1, 2, 7, 7]], "dominotree", draft, budget=8, max_new_tokens=8, stop_ids=())
-    assert decode.compilations() == before and other.compile_seconds == 0.0
+    assert api.compilations() == before and other.compile_seconds == 0.0
 
 
 def test_bad_input(models):
@@ -171,11 +172,11 @@ def test_auto_budget_is_wide_at_small_batch_and_shrinks():
     # A memory-bound machine: a round costs 1 ms plus 0.02 ms per verified token beyond 512 tokens.
     seconds = lambda b, n: 1e-3 + 2e-5 * max(0, b * (n + 1) - 512)
     cal = dict(tau_by_budget=taus, round_seconds={bs: {n: seconds(bs, n) for n in taus} for bs in (1, 4, 16, 64)})
-    chosen = [decode.auto_budget(cal, b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    chosen = [auto_budget(cal, b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
     assert chosen[0] == 32 and chosen[-1] == 4
     assert all(x >= y for x, y in zip(chosen, chosen[1:]))
     with pytest.raises(ValueError, match="calibration"):
-        decode.auto_budget(dict(tau_by_budget=taus), 1)
+        auto_budget(dict(tau_by_budget=taus), 1)
 
 
 def test_generate_auto_budget_uses_the_calibration(models):
@@ -205,9 +206,9 @@ def test_package_exports_generate_lazily():
     import subprocess
     import sys
 
-    code = "import sys, dtree_jax; assert 'dtree_jax.decode' not in sys.modules; print(dtree_jax.generate.__module__)"
+    code = "import sys, dtree_jax; assert 'dtree_jax.api' not in sys.modules; print(dtree_jax.generate.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "dtree_jax.decode"
+    assert out == "dtree_jax.api"
 
 
 def test_every_target_module_satisfies_the_target_protocol():

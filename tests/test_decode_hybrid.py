@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax import convert, decode
-from dtree_jax.decode import generate
+from dtree_jax import api, convert, loop
+from dtree_jax.api import generate
 from dtree_jax.models import qwen3_5
 from tests.oracles import tiny_domino
 from tests.oracles_hybrid import tiny_hybrid
@@ -26,8 +26,8 @@ def ckpts(tmp_path_factory):
     hf.save_pretrained(root / "target")
     dom, _, _ = tiny_domino(shift_label=False, seed=6)
     dom.save_pretrained(root / "drafter")
-    target = decode._as_model(root / "target")
-    draft = decode._as_model(root / "drafter")
+    target = api.load_model(root / "target")
+    draft = api.load_model(root / "drafter")
     assert target.kind == "qwen3_5" and draft.kind == "drafter"
     ar = generate(target, PROMPTS, "ar", max_new_tokens=20, stop_ids=()).tokens
     return root, hf, target, draft, ar
@@ -51,8 +51,8 @@ def test_every_method_lossless_on_hybrid(ckpts, method):
 def _oracle_run(ckpts, monkeypatch):
     _, _, target, draft, ar = ckpts
     reference = np.array([t + [0] * 40 for t in ar], np.int32)
-    monkeypatch.setattr(decode, "_draft", oracle_draft(reference, decode._draft, decoy=True))
-    monkeypatch.setattr(decode, "_COMPILED", {})
+    monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft, decoy=True))
+    monkeypatch.setattr(api, "COMPILED", {})
     jax.clear_caches()
     try:
         return generate(target, PROMPTS, "dominotree", draft, budget=10, max_new_tokens=20, stop_ids=())

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dtree_jax import distill, train
-from dtree_jax.decode import METHODS, Model, generate
+from dtree_jax.api import METHODS, Model, generate
 from dtree_jax.models import drafter, qwen3
 from tests import oracles
 
@@ -90,7 +90,7 @@ def test_shards_hold_the_targets_responses_and_taps(data_dir):
 
 
 def test_generation_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
-    import dtree_jax.decode as decode
+    import dtree_jax.api as api
 
     def contents():
         out = {}
@@ -103,8 +103,8 @@ def test_generation_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
     before = contents()
     (tmp_path / "shard-00001.npz").unlink()
     calls = []
-    real = decode.generate
-    monkeypatch.setattr(decode, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = api.generate
+    monkeypatch.setattr(api, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     _write(tmp_path)
     assert len(calls) == 1  # only the missing shard was generated again
     assert contents() == before

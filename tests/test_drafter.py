@@ -17,7 +17,7 @@ from tests import oracles
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 append_context = jax.jit(drafter.append_context, static_argnames=("cfg",))
-draft_block = jax.jit(drafter.draft_block, static_argnames=("cfg",))
+draft_block = jax.jit(drafter.draft_block, static_argnames=("cfg", "target"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +107,7 @@ def test_block_matches_dflash_across_rounds():
         pos = ctx[:, None] + np.arange(width, dtype=np.int32)
         cache = append_context(params, cfg, cache, jnp.asarray(ctx), jnp.asarray(chunk), jnp.asarray(pos))
         ctx = ctx + valid
-        ph_full = draft_block(params, cfg, tparams, cache, jnp.asarray(ctx), jnp.asarray(roots[r]))
+        ph_full = draft_block(params, cfg, qwen3, tparams, cache, jnp.asarray(ctx), jnp.asarray(roots[r]))
         assert ph_full.shape == (b, cfg.block_size, h)
         for i in range(b):
             ref = _dflash_block(dflash, tmodel, feats[i], int(roots[r, i]), cfg, int(ctx[i]))
@@ -303,10 +303,10 @@ def test_block_honours_causal_window_and_embedding_scale():
         cache = drafter.init_drafter_cache(cfg, 1, ctx + cfg.block_size)
         pos = jnp.arange(ctx, dtype=jnp.int32)[None]
         cache = append_context(params, cfg, cache, jnp.zeros((1,), jnp.int32), jnp.asarray(feats), pos)
-        ours = draft_block(params, cfg, tparams, cache, jnp.asarray([ctx]), jnp.asarray([root]))[0]
+        ours = draft_block(params, cfg, qwen3, tparams, cache, jnp.asarray([ctx]), jnp.asarray([root]))[0]
         np.testing.assert_allclose(ours, ref, **TOL, err_msg=name)
         if plain is None:
             base_cfg = drafter.config_from_hf(d0, dtype="float32")
-            plain = draft_block(drafter.params_from_hf(base_cfg, getter, jnp.float32), base_cfg, tparams, cache,
+            plain = draft_block(drafter.params_from_hf(base_cfg, getter, jnp.float32), base_cfg, qwen3, tparams, cache,
                                 jnp.asarray([ctx]), jnp.asarray([root]))[0]
         assert np.abs(np.asarray(ours) - np.asarray(plain)).max() > 1e-3, f"{name} changed nothing"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax import decode
+from dtree_jax import api
 from dtree_jax.models import drafter, qwen3, qwen3_5
 from tests import oracles, oracles_hybrid
 
@@ -82,7 +82,7 @@ def _ours(target, d: dict, state: dict, method: str, prompt=PROMPT, new_tokens=N
     """Our rounds ``{lens: [root, drafts...]}`` and output for ``method`` with the drafter ``(d, state)``."""
     cfg = drafter.config_from_hf(d, dtype="float32")
     params = drafter.params_from_hf(cfg, lambda k: state[k].detach().float().numpy(), jnp.float32)
-    g = decode.generate(target, [prompt], method, ("drafter", cfg, params), max_new_tokens=new_tokens,
+    g = api.generate(target, [prompt], method, ("drafter", cfg, params), max_new_tokens=new_tokens,
                         stop_ids=(), instrument=True)
     return {r["lens"][0]: r["tokens"][0] for r in g.round_trees if r["active"][0]}, g.tokens[0]
 
@@ -208,7 +208,7 @@ def _shipped_pair():
     domino.load_state_dict({k: v.float() for k, v in state.items()})
     plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     tcfg = qwen3.config_from_hf(json.loads((SHIPPED / "tiny-target" / "config.json").read_text()), dtype="float32")
-    target = decode.Model("qwen3", tcfg, qwen3.params_from_hf(tcfg, lambda k: tmodel.state_dict()[k].numpy(),
+    target = api.Model("qwen3", tcfg, qwen3.params_from_hf(tcfg, lambda k: tmodel.state_dict()[k].numpy(),
                                                                 jnp.float32))
     return tmodel, target, d, state, domino, plain
 

@@ -23,7 +23,7 @@ from gguf.quants import dequantize, quantize
 import dtree_jax
 from dtree_jax import cli
 from dtree_jax import convert as cv
-from dtree_jax.decode import _as_model
+from dtree_jax.api import load_model
 from dtree_jax.gguf import GGUFCheckpoint, smollm2_gguf
 from dtree_jax.models import qwen3
 from dtree_jax.text import encode_prompts, load_tokenizer
@@ -228,7 +228,7 @@ def test_gguf_cache_converts_once(tmp_path, monkeypatch):
     file = tmp_path / "m.gguf"
     write_gguf(file, "qwen2", model, d)
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path / "cache"))
-    target = _as_model(file)
+    target = load_model(file)
     assert target.kind == "qwen2" and target.eos_token_ids == (2,)
     assert target.path.startswith(str(tmp_path / "cache")) and (
         os.path.isfile(f"{target.path}/tokenizer.json")
@@ -317,7 +317,7 @@ def smollm2(tmp_path_factory):
     """``(our Model, converted directory)``, converted on the fly into a temporary cache as the CLI does."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DTREE_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-        model = _as_model(smollm2_gguf())
+        model = load_model(smollm2_gguf())
         yield model
 
 

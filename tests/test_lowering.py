@@ -15,8 +15,9 @@ import jax.extend as jex
 import jax.numpy as jnp
 import pytest
 
-from dtree_jax import decode
-from dtree_jax.decode import Model, trace_generation, with_kernels
+from dtree_jax import api
+from dtree_jax.api import Model, trace_generation, with_kernels
+from dtree_jax.cli import SHIPPED_TINY, shipped
 from dtree_jax.models import drafter, kernels, qwen3, qwen3_5
 
 LOWERING = {"tpu": "tpu", "gpu": "cuda"}  # kernel platform -> lowering platform
@@ -129,8 +130,8 @@ def test_shipped_pair_bf16_dominotree_lowers_for_cuda():
     """The issue's case: the shipped (fp32) checkpoints run in bf16 put fp32 queries over a bf16 cache; the
     kernel boundary casts them, so the Triton dots see one dtype and the CUDA lowering succeeds."""
     pair = []
-    for path in (decode.SHIPPED_TARGET, decode.SHIPPED_DRAFTER):
-        m = decode._as_model(decode._shipped(path))
+    for name in SHIPPED_TINY:
+        m = api.load_model(shipped(name))
         cfg = m.cfg
         if m.kind == "drafter":
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
@@ -163,9 +164,9 @@ def test_cli_attention_impl_flag(monkeypatch, capsys):
         seen.append(kw)
         stats = dict(generated=1, rounds=1, tau=0.0, seconds=1.0, tokens_per_second=1.0, stop_reason="eos",
                      budget=None)
-        return decode.Generation([[65]], [stats], 0.0)
+        return api.Generation([[65]], [stats], 0.0)
 
-    monkeypatch.setattr(decode, "generate", fake_generate)
+    monkeypatch.setattr(api, "generate", fake_generate)
     from dtree_jax.cli import main
 
     args = ["generate", "--method", "ar", "--prompt-ids", "1,2", "--no-compare-ar", "--json"]

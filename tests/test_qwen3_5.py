@@ -337,11 +337,11 @@ def test_bf16_error_like_hf_bf16(kind):
 
 def test_decode_loop_greedy_matches_hf_generate():
     """dtree_jax.decode (method "ar": a 1-node verify + commit per round) reproduces HF greedy decoding."""
-    from dtree_jax import decode
+    from dtree_jax import api
 
     model, cfg, params, _ = _tiny("qwen3_next")
     prompts = [[5, 17, 99, 3, 42, 7, 8], [11, 12, 13]]
-    gen = decode.generate(("qwen3_5", cfg, params), prompts, "ar", max_new_tokens=6, stop_ids=())
+    gen = api.generate(("qwen3_5", cfg, params), prompts, "ar", max_new_tokens=6, stop_ids=())
     for p, toks in zip(prompts, gen.tokens):
         with torch.no_grad():
             ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dtree_jax import train
-from dtree_jax.decode import Model, generate
+from dtree_jax.api import generate
 from dtree_jax.models import drafter, qwen3
 
 
@@ -61,7 +61,7 @@ def test_drafter_objective_is_the_inference_computation(tiny_pair):
                                     jnp.tri(a, dtype=bool)[None], tuple(dcfg.target_layer_ids))
         dcache = drafter.init_drafter_cache(dcfg, 1, 32)
         dcache = drafter.append_context(dparams, dcfg, dcache, jnp.zeros(1, jnp.int32), feats, pos)
-        ph = drafter.draft_rows(drafter.draft_block(dparams, dcfg, tparams, dcache, jnp.array([a]), tokens[:, a]), dcfg)
+        ph = drafter.draft_rows(drafter.draft_block(dparams, dcfg, qwen3, tparams, dcache, jnp.array([a]), tokens[:, a]), dcfg)
         np.testing.assert_allclose(base[j], qwen3.lm_head(tparams, tcfg, ph)[0], atol=2e-4)
         np.testing.assert_array_equal(labels[j], tokens[0, a + 1 : a + 1 + dcfg.num_draft_rows])
     assert not np.allclose(final, base)  # the head contributes
@@ -89,13 +89,15 @@ def test_smoke_run_trains_and_generates(tmp_path, monkeypatch):
     assert len(got.tokens[0]) >= 1
 
 
-def test_shipped_pair_runs_the_main_job(capsys):
-    """`dtree-jax generate` with no model arguments uses checkpoints/ and reports the speedup over ar."""
+def test_shipped_tiny_pair_decodes_with_its_calibration(capsys):
+    """The shipped tiny pair from checkpoints/, with --budget auto (its calibration.json) and the ar baseline."""
     import json
 
-    from dtree_jax.cli import main
+    from dtree_jax.cli import SHIPPED_TINY, main, shipped
 
-    assert main(["generate", "--max-new-tokens", "24", "--budget", "8", "--json"]) == 0
+    target, drafter = (shipped(name) for name in SHIPPED_TINY)
+    assert main(["generate", "--target", target, "--drafter", drafter, "--max-new-tokens", "24", "--compare-ar",
+                 "--prompt", "import os\n", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(row["tokens"]) == 24 and row["text"] and row["speedup_vs_ar"] > 0
     assert row["tau"] > 1.0  # the trained drafter gets drafts accepted

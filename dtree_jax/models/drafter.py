@@ -143,7 +143,8 @@ def append_context(
 def draft_block(
     params: DrafterParams,
     cfg: DrafterConfig,
-    target_params: qwen3.Qwen3Params,
+    target,  # the target's module (``models.protocol.TargetModel``): its embed
+    target_params,
     cache: KVCache,
     ctx_lens: jax.Array,  # [B] int32 context length (= the target's committed length)
     root: jax.Array,  # [B] int32 last committed token
@@ -157,7 +158,7 @@ def draft_block(
     tokens = jnp.concatenate(
         [root[:, None].astype(jnp.int32), jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1
     )
-    x = (qwen3.embed(target_params, tokens) * cfg.input_embedding_scale).astype(m.dtype)
+    x = (target.embed(target_params, tokens) * cfg.input_embedding_scale).astype(m.dtype)
     positions = jnp.asarray(ctx_lens, jnp.int32)[:, None] + jnp.arange(bs, dtype=jnp.int32)
     cos, sin = rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
     offset = jnp.arange(bs)[:, None] - jnp.arange(bs)[None, :]  # query row - key row
@@ -184,7 +185,7 @@ def draft_round(
     """Everything a round's tree builder needs from the drafter: the draft rows ``ph``, their base logits
     (``scale_logits`` of the target's lm_head) and the Domino GRU state after the root's embedding (``[B, 1]``
     zeros for a plain DFlash drafter)."""
-    ph = draft_rows(draft_block(params, cfg, target_params, cache, ctx_lens, root), cfg)
+    ph = draft_rows(draft_block(params, cfg, target, target_params, cache, ctx_lens, root), cfg)
     base = scale_logits(cfg, target.lm_head(target_params, target_cfg, ph))
     if params.head is None:
         return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32)

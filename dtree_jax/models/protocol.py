@@ -18,6 +18,9 @@ class TargetModel(Protocol):
     def embed(self, params: Any, tokens: jax.Array) -> jax.Array:
         """``tokens [...]`` -> embeddings ``[..., H]`` (the drafter embeds its block with them)."""
 
+    def embed_table(self, params: Any) -> jax.Array:
+        """The embedding table ``[V, H]`` (the Domino GRU reads rows of it for every candidate token)."""
+
     def lm_head(self, params: Any, cfg: Any, x: jax.Array) -> jax.Array:
         """Final-normed hidden ``x [..., H]`` -> fp32 logits ``[..., V]`` (the drafter's base logits)."""
 

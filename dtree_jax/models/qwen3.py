@@ -89,6 +89,10 @@ def embed(params: Qwen3Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params.embed, tokens, axis=0)
 
 
+def embed_table(params: Qwen3Params) -> jax.Array:  # [V, H]
+    return params.embed
+
+
 def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
     """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``."""
     if cfg.tie_word_embeddings:

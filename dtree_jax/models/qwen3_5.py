@@ -31,7 +31,7 @@ from dtree_jax.models import kernels
 from dtree_jax.models.cache import compact_kv
 from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta, check_kernel_platform
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
-from dtree_jax.models.qwen3 import embed, lm_head  # same embedding/head layout as the dense target
+from dtree_jax.models.qwen3 import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.layers import (
     Leaf,
     abstract_leaf,
