@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import pathlib
 import time
 from typing import Any, Sequence
@@ -64,6 +65,82 @@ def eos_ids(path) -> tuple[int, ...]:
             if eos is not None:
                 return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     return ()
+
+
+def check_fit(target: Model, drafter: Model) -> None:
+    """ValueError naming both checkpoints unless ``drafter`` was built for ``target``'s shapes: the same
+    embedding table ``[V, H]``, tap layers inside the target, a mask token inside the vocabulary, and the
+    target depth the drafter states (``num_target_layers``)."""
+    if target.kind == "drafter":
+        raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model")
+    vocab, hidden = jnp.shape(target.module.embed_table(target.params))
+    dcfg = drafter.cfg
+    layers = getattr(target.cfg, "num_layers", None)
+    problems = []
+    if (dcfg.model.vocab_size, dcfg.model.hidden_size) != (vocab, hidden):
+        problems.append(f"vocabulary x hidden {dcfg.model.vocab_size} x {dcfg.model.hidden_size} != the target's "
+                        f"{vocab} x {hidden}")
+    if not 0 <= dcfg.mask_token_id < vocab:
+        problems.append(f"mask token {dcfg.mask_token_id} is outside the target's vocabulary ({vocab})")
+    if layers is not None and any(not 0 <= i < layers for i in dcfg.target_layer_ids):
+        problems.append(f"tap layers {list(dcfg.target_layer_ids)} are outside the target's {layers} layers")
+    if layers is not None and dcfg.num_target_layers not in (None, layers):
+        problems.append(f"it was trained for a {dcfg.num_target_layers}-layer target, this one has {layers}")
+    if problems:
+        raise ValueError(f"the drafter {drafter.path or ''} does not fit the target {target.path or ''}: "
+                         + "; ".join(problems))
+
+
+def check_token_ids(ids, vocab: int, what: str) -> None:
+    """ValueError unless ``ids`` are integers (not bools or floats) in ``[0, vocab)``."""
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what}: token ids must be integers in [0, {vocab}), got {bad[:5]}")
+
+
+def device_memory_bytes() -> int:
+    """Memory of the default device: its allocator's limit on accelerators, physical memory on CPU."""
+    import os
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8) -> dict:
+    """Estimates a generation's device memory before anything is compiled (the params already loaded, the
+    caches from their shapes, a round's logits, tree mask and attention scores) and raises a ValueError naming
+    the knob to lower when it exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    n, cache_len = spec.num_nodes, spec.cache_len
+    vocab = jnp.shape(target.module.embed_table(target.params))[0]
+    est = dict(
+        params=nbytes(target.params) + (nbytes(drafter.params) if spec.drafter_cfg is not None else 0),
+        cache=nbytes(jax.eval_shape(lambda: target.module.init_cache(spec.target_cfg, batch, cache_len))),
+        logits=3 * batch * n * vocab * 4,  # target logits, their softmax, the drafter's block logits
+        tree=batch * n * n + 4 * batch * n * (cache_len + n) * getattr(spec.target_cfg, "num_heads", 1),
+    )
+    if spec.drafter_cfg is not None:
+        from dtree_jax.models import drafter as drafter_module
+
+        est["cache"] += nbytes(jax.eval_shape(
+            lambda: drafter_module.init_drafter_cache(spec.drafter_cfg, batch, cache_len)))
+    limit = fraction * device_memory_bytes()
+    if sum(est.values()) > limit:
+        biggest = max(est, key=est.get)
+        knob = dict(params="a smaller model or dtype", cache="max_new_tokens, the prompt length or the batch",
+                    logits="budget or the batch", tree="budget or the batch")[biggest]
+        raise ValueError(
+            f"this generation needs about {sum(est.values()) / 2**30:.1f} GiB ({biggest}: "
+            f"{est[biggest] / 2**30:.1f} GiB) but the device has {limit / fraction / 2**30:.1f} GiB; lower {knob}")
+    return est
+
+
+def request_keys(seed: int, batch: int) -> jax.Array:  # [batch] keys
+    """Request ``i``'s random stream: ``fold_in(key(seed), i)``, so a request's sample depends on the seed and
+    its index, never on the other requests of its batch."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(batch))
 
 
 def load_model(model) -> Model | None:
@@ -131,6 +208,7 @@ def make_spec(
             raise ValueError(f"the drafter checkpoint is a {drafter.kind!r} model, not a DFlash/Domino drafter")
         if record.needs_head and not drafter.cfg.has_head:
             raise ValueError(f"method {method!r} needs a Domino drafter (with the GRU head); this is plain DFlash")
+        check_fit(target, drafter)
     for name, v in dict(budget=budget, node_topk=node_topk, max_new_tokens=max_new_tokens).items():
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -180,7 +258,7 @@ def trace_generation(target: Model, drafter: Model | None, method: str, *, batch
     prompts = jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     dparams = drafter.params if builders.get_method(method).drafts else None
-    return loop.generate_on_device.trace(spec, target.params, dparams, prompts, lens, jax.random.key(0),
+    return loop.generate_on_device.trace(spec, target.params, dparams, prompts, lens, request_keys(0, batch),
                                     jnp.float32(temperature))
 
 
@@ -217,7 +295,17 @@ def compilations() -> int:
 
 
 def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):
+    """The loop's stages one by one, each timed; prefill and one untimed pass of every stage on the first
+    round's shapes come first (their seconds are the returned compile time), so no stage time holds a
+    compilation."""
+    t0 = time.perf_counter()
     state = jax.block_until_ready(loop.prefill_on_device(spec, tparams, dparams, prompts, lens, key, temperature))
+    if bool(jnp.any(~state.done)):
+        rnd = jax.block_until_ready(_draft_jit(spec, tparams, dparams, state))
+        tree = jax.block_until_ready(_build_jit(spec, tparams, dparams, rnd, state))
+        logits, feats, cache = jax.block_until_ready(_verify_jit(spec, tparams, tree, state))
+        jax.block_until_ready(_commit_jit(spec, dparams, tree, logits, feats, cache, state, temperature))
+    compile_seconds = time.perf_counter() - t0
     stages = {"draft": [], "build": [], "verify": [], "commit": []}
     trees = []
     while bool(jnp.any(~state.done)) and int(state.step) < spec.max_new_tokens:
@@ -237,15 +325,18 @@ def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):
                 emitted=(np.asarray(state.out_len) - np.asarray(before.out_len)).tolist(),
             )
         )
-    return state, stages, trees
+    return state, stages, trees, compile_seconds
 
 
 
 @dataclasses.dataclass
 class Generation:
     tokens: list[list[int]]  # generated ids per request (stop token included, nothing after it)
-    stats: list[dict]  # per request: generated, rounds, tau, seconds, tokens_per_second, stop_reason
-    compile_seconds: float
+    # per request: generated, rounds, tau, seconds (until this request stopped: the batch's wall time times
+    # its share of the rounds), tokens_per_second, stop_reason, budget
+    stats: list[dict]
+    compile_seconds: float  # 0.0 when this generation was already compiled in this process
+    seconds: float  # wall time of the whole batch (goodput = sum of generated / seconds)
     stage_seconds: dict | None = None  # instrumented mode: mean seconds per round of each stage
     # Instrumented mode: per round, per request: active, lens (committed length), the tree's tokens and
     # parents (node 0 = the root) and the number of tokens emitted.
@@ -291,6 +382,9 @@ def generate(
     ("tpu" | "gpu" | "cpu") override both models' configs (``with_kernels``; None keeps them).
     """
     target, drafter = load_model(target), load_model(drafter)
+    if target.kind == "drafter":
+        raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model; pass it as "
+                         "the drafter")
     target = with_kernels(target, attention_impl, kernel_platform)
     drafter = with_kernels(drafter, attention_impl, kernel_platform)
     text_prompts = bool(prompts) and all(isinstance(p, str) for p in prompts)
@@ -304,34 +398,43 @@ def generate(
         raise ValueError("need at least one prompt, and every prompt needs at least one token")
     vocab = jnp.shape(target.module.embed_table(target.params))[0]
     for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        check_token_ids(p, vocab, f"prompt {i}")
+    if stop_ids is None:
+        stop_ids = target.eos_token_ids
+    check_token_ids(stop_ids, vocab, "stop_ids")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     longest = max(len(p) for p in prompts)
+    max_positions = getattr(target.cfg, "max_position_embeddings", None)
+    if max_positions and isinstance(max_new_tokens, int) and longest + max_new_tokens > max_positions:
+        raise ValueError(f"a {longest}-token prompt plus max_new_tokens={max_new_tokens} exceeds the target's "
+                         f"{max_positions} positions (max_position_embeddings); shorten the prompt or lower "
+                         "max_new_tokens")
     prompt_bucket = _bucket(longest) if prompt_bucket is None else prompt_bucket
     if prompt_bucket < longest:
         raise ValueError(f"prompt_bucket {prompt_bucket} is shorter than the longest prompt ({longest})")
-    if stop_ids is None:
-        stop_ids = target.eos_token_ids
     if budget == "auto":
-        budget = auto_budget(load_calibration(calibration, drafter and drafter.path), len(prompts))
+        tree = builders.get_method(method).tree
+        budget = auto_budget(load_calibration(calibration, drafter and drafter.path), len(prompts)) if tree else 1
     spec = make_spec(
         target, drafter, method, budget=budget, node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth,
         max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p,
         cache_len=cache_len,
     )
+    check_memory(spec, target, drafter, len(prompts))
     padded = np.zeros((len(prompts), prompt_bucket), np.int32)
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
     lens = np.asarray([len(p) for p in prompts], np.int32)
-    key = jax.random.key(seed)
+    key = request_keys(seed, len(prompts))
     temp = jnp.float32(temperature)
     dparams = drafter.params if spec.record.drafts else None
     args = (spec, target.params, dparams, jnp.asarray(padded), jnp.asarray(lens), key, temp)
     stage_seconds = round_trees = None
     if instrument:
-        state, stages, round_trees = _run_instrumented(*args)
-        compile_seconds = float("nan")
+        state, stages, round_trees, compile_seconds = _run_instrumented(*args)
         seconds = sum(sum(v) for v in stages.values())
         stage_seconds = {k: float(np.mean(v)) if v else 0.0 for k, v in stages.items()}
     else:
@@ -345,13 +448,15 @@ def generate(
     for i in range(len(prompts)):
         toks = out[i, : out_len[i]].tolist()
         tokens.append(toks)
+        # Rounds run in lockstep: request i was done after its own rounds (+ the prefill) of the batch's.
+        own = seconds * (int(rounds[i]) + 1) / (int(rounds.max()) + 1)
         stats.append(
             dict(
                 generated=len(toks),
                 rounds=int(rounds[i]),
-                tau=(len(toks) - 1) / rounds[i] if rounds[i] else float("nan"),
-                seconds=seconds,
-                tokens_per_second=len(toks) / seconds if seconds > 0 else float("nan"),
+                tau=float((len(toks) - 1) / rounds[i]) if rounds[i] else float("nan"),
+                seconds=own,
+                tokens_per_second=len(toks) / own if own > 0 else float("nan"),
                 stop_reason=loop.STOP_REASONS[int(reasons[i])],
                 budget=spec.budget if spec.record.tree else None,
             )
@@ -361,6 +466,6 @@ def generate(
         from dtree_jax.text import load_tokenizer
 
         texts = [load_tokenizer(target.path).decode(t) for t in tokens]
-    return Generation(tokens, stats, compile_seconds, stage_seconds, round_trees, texts)
+    return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts)
 
 

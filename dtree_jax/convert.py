@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dtree_jax.cost import CALIBRATION_FILE
 from dtree_jax.models import DENSE_MODEL_TYPES, MODEL_MODULES
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
@@ -214,7 +216,23 @@ class _TorchFile:
             return t.numpy()
 
 
+def checkpoint_file(root: Path, name: str | Path) -> Path:
+    """``root / name`` if it is a regular file inside ``root`` once symlinks are resolved; a ValueError otherwise
+    (a path leading out of the checkpoint, a FIFO or device, a directory).  Nothing outside the directory the
+    user named is ever read or copied."""
+    file = Path(root) / name
+    resolved, base = file.resolve(), Path(root).resolve()
+    if not resolved.is_relative_to(base):
+        raise ValueError(f"{file}: leads outside the checkpoint directory {root} (to {resolved}); refusing to read it")
+    if not resolved.exists():
+        raise ValueError(f"{file}: not found")
+    if not stat.S_ISREG(resolved.stat().st_mode):
+        raise ValueError(f"{file}: not a regular file; refusing to read it")
+    return file
+
+
 def _open_file(file: Path) -> _SafetensorsFile | _TorchFile:
+    file = checkpoint_file(file.parent, file.name)
     return _SafetensorsFile(file) if file.suffix == ".safetensors" else _TorchFile(file)
 
 
@@ -254,11 +272,11 @@ class CheckpointReader:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: invalid safetensors index ({type(e).__name__}: {e})") from e
         for key, name in weight_map.items():
-            file = self.path / name
+            file = self.path / str(name)
             if file not in self._files:
-                if not file.is_file():
+                if not (self.path / str(name)).exists():
                     raise ValueError(f"{index}: shard {name!r} holding {key!r} not found")
-                self._files[file] = _open_file(file)
+                self._files[file] = _open_file(checkpoint_file(self.path, str(name)))
             if key not in self._files[file].keys():
                 raise ValueError(f"{file}: key {key!r} listed in {index.name} is not in this shard")
             self._where[key] = file
@@ -445,10 +463,10 @@ def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) ->
     if model.gguf is not None:
         model.gguf.write_model_files(dst)
     else:
-        shutil.copy2(model.path / "config.json", dst / "config.json")
-        for name in TOKENIZER_FILES:
-            if (model.path / name).is_file():
-                shutil.copy2(model.path / name, dst / name)
+        extra = (CALIBRATION_FILE,) if role == "drafter" else ()
+        for name in ("config.json", *TOKENIZER_FILES, *extra):
+            if name == "config.json" or (model.path / name).exists() or (model.path / name).is_symlink():
+                shutil.copyfile(checkpoint_file(model.path, name), dst / name)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / PARAMS_DIR, params)
         ckptr.wait_until_finished()
@@ -477,10 +495,17 @@ def convert(
     start = time.perf_counter()
     out = Path(out_dir).absolute()
     dtype = _dtype(dtype, {}).name
+    for src in (target_dir, drafter_dir):
+        if src is not None and (Path(src).resolve() == out.resolve() or Path(src).resolve().is_relative_to(out.resolve())):
+            raise ValueError(f"--out {out} holds the input {src}; converting into it could delete it, choose "
+                             "another --out")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise ValueError(f"{out}: exists and is not an empty directory; pass overwrite=True (--overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result gets the mode any new directory would
     summary = {"out": str(out), "dtype": dtype, "models": {}, "keys": 0, "bytes": 0}
     try:
         for role, src in (("target", target_dir), ("drafter", drafter_dir)):
@@ -605,7 +630,7 @@ def _run_cli(args) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
-    models = " + ".join(f"{role} ({kind})" for role, kind in s["models"].items())
+    models = " + ".join(role if kind == role else f"{role} ({kind})" for role, kind in s["models"].items())
     print(
         f"converted {models} to {s['out']} as {s['dtype']}: {s['keys']} keys, "
         f"{s['bytes'] / 1e9:.3f} GB read, {s['seconds']:.1f} s"

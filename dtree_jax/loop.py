@@ -83,7 +83,13 @@ class DecodeState:
     stop_reason: jax.Array  # [B] int32, STOP_*
     rounds: jax.Array  # [B] rounds run while active
     step: jax.Array  # [] round counter
-    key: jax.Array
+    key: jax.Array  # [B] one random stream per request
+
+
+def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B] -> ([B], [B])
+    """Advances every request's stream: (the stream's next state, a key to draw with now)."""
+    pairs = jax.vmap(jax.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -134,7 +140,7 @@ def verify(spec: Spec, tparams, tree: Tree, state: DecodeState):
 
 def accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state: DecodeState, temperature):
     """Acceptance, stop checks, KV compaction, drafter context update and output append."""
-    key, sub = jax.random.split(state.key)
+    key, sub = split_keys(state.key)
     acc = accept_sampled(tree.parents, tree.tokens, logits, sub, temperature, spec.top_k, spec.top_p)
     pos = jnp.arange(spec.num_nodes)
     active = ~state.done
@@ -213,7 +219,7 @@ def prefill(
     dparams,
     prompts: jax.Array,  # [B, P] int32, right-padded
     prompt_lens: jax.Array,  # [B] int32
-    key: jax.Array,
+    key: jax.Array,  # [B] one key per request (``request_keys``)
     temperature: jax.Array,  # [] fp32 (0 = greedy)
 ) -> DecodeState:
     """The target reads the prompts, the root is sampled from their last logits, the drafter's context gets
@@ -224,7 +230,7 @@ def prefill(
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, feats, cache = tg.prefill(tparams, spec.target_cfg, prompts, cache, prompt_lens, spec.taps)
-    key, sub = jax.random.split(key)
+    key, sub = split_keys(key)
     last_logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     root = sample_tokens(sub, last_logits, temperature, spec.top_k, spec.top_p)
     dcache = None

@@ -452,7 +452,7 @@ def test_cli_end_to_end(tmp_path, hf_dirs, capsys):
     argv = ["convert", "--target", str(target), "--drafter", str(drafter), "--out", str(out), "--no-progress"]
     assert main([*argv, "--dtype", "float32"]) == 0
     line = capsys.readouterr().out.strip()
-    assert "\n" not in line and "11 keys" in line and "target (qwen3) + drafter (drafter)" in line, line
+    assert "\n" not in line and "11 keys" in line and "target (qwen3) + drafter to" in line, line
     _, _, params = cv.load_converted(out / "drafter")
     assert jax.tree.leaves(params)[0].dtype == jnp.float32
     assert main(argv) == 2  # one line, no traceback
@@ -507,3 +507,72 @@ def test_real_domino_drafter_checkpoint(tmp_path, real_models):
     summary = cv.convert(tmp_path / "target", tmp_path / "drafter", out_dir=tmp_path / "out", dtype="float32")
     assert summary["models"] == {"target": "qwen3", "drafter": "drafter"}
     _assert_same(cv.load_converted(tmp_path / "out" / "drafter")[2], want)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hostile and careless input: nothing lost, nothing read from outside the checkpoint
+
+
+def _listing(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_overwrite_never_deletes_the_inputs(tmp_path, hf_dirs, where):
+    target, drafter = hf_dirs
+    before = _listing(tmp_path)
+    out = target if where == "same" else tmp_path
+    with pytest.raises(ValueError, match="holds the input"):
+        cv.convert(target, drafter, out_dir=out, overwrite=True, progress=False)
+    assert _listing(tmp_path) == before
+
+
+def test_an_index_entry_leading_out_of_the_checkpoint_is_refused(tmp_path, hf_dirs):
+    target, drafter = hf_dirs
+    index = target / "model.safetensors.index.json"
+    d = json.loads(index.read_text())
+    key = next(iter(d["weight_map"]))
+    for name in ("../drafter/model.safetensors", str((drafter / "model.safetensors").resolve())):
+        d["weight_map"][key] = name
+        index.write_text(json.dumps(d))
+        with pytest.raises(ValueError, match="outside the checkpoint"):
+            cv.convert(target, out_dir=tmp_path / "out", progress=False)
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_symlink_leading_out_is_not_copied(tmp_path, hf_dirs):
+    target, _ = hf_dirs
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (target / "tokenizer_config.json").unlink()
+    (target / "tokenizer_config.json").symlink_to(secret)
+    with pytest.raises(ValueError, match="outside the checkpoint"):
+        cv.convert(target, out_dir=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    assert not any("not yours" in p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file()
+                   and not p.is_symlink() and p != secret)
+
+
+def test_a_fifo_instead_of_weights_is_refused_without_hanging(tmp_path, hf_dirs):
+    import os
+
+    _, drafter = hf_dirs
+    (drafter / "model.safetensors").unlink()
+    os.mkfifo(drafter / "model.safetensors")
+    with pytest.raises(ValueError, match="not a regular file"):
+        cv.load_hf(drafter, progress=False)
+
+
+def test_output_honours_the_umask_and_keeps_the_calibration(tmp_path, hf_dirs):
+    import os
+    import stat
+
+    target, drafter = hf_dirs
+    (drafter / "calibration.json").write_text('{"tau_by_budget": {}}')
+    old = os.umask(0o022)
+    try:
+        cv.convert(target, drafter, out_dir=tmp_path / "out", progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert (tmp_path / "out" / "drafter" / "calibration.json").read_text() == '{"tau_by_budget": {}}'

@@ -90,13 +90,54 @@ def test_no_recompilation_within_a_bucket(models):
     assert api.compilations() == before and other.compile_seconds == 0.0
 
 
+def test_careless_input_is_refused_before_compiling(models):
+    """Issue 16, items 6, 8, 9: everything silently accepted before is a ValueError saying what to change."""
+    import dataclasses
+
+    _, target, draft = models
+    for t in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            generate(target, PROMPTS, "ar", temperature=t)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        generate(target, [[1, 2.7]], "ar")
+    with pytest.raises(ValueError, match="stop_ids: token ids must be integers"):
+        generate(target, PROMPTS, "ar", stop_ids=[5000])
+    with pytest.raises(ValueError, match="not a target model"):
+        generate(draft, PROMPTS, "ar")
+    narrow = dataclasses.replace(draft.cfg, target_layer_ids=(0, 2, 9))
+    with pytest.raises(ValueError, match=r"does not fit the target.*tap layers \[0, 2, 9\]"):
+        generate(target, PROMPTS, "dominotree", Model("drafter", narrow, draft.params))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(target, [[1] * 500], "ar", max_new_tokens=64)
+    with pytest.raises(ValueError, match="lower budget"):
+        generate(target, PROMPTS, "ddtree", draft, budget=200_000)
+    with pytest.raises(ValueError, match="lower max_new_tokens"):
+        big = Model("qwen3", dataclasses.replace(target.cfg, max_position_embeddings=10**9), target.params)
+        generate(big, PROMPTS, "ar", max_new_tokens=10**8)
+    got = generate(target, PROMPTS, "ar", budget="auto", max_new_tokens=2)  # ar has no budget to choose
+    assert all(len(t) == 2 for t in got.tokens)
+
+
+def test_a_request_samples_from_its_own_stream(models):
+    """Issue 16, item 16: at T > 0 a request's output does not depend on the other requests of its batch."""
+    _, target, draft = models
+    one = generate(target, [PROMPTS[0], PROMPTS[1]], "dominotree", draft, budget=6, max_new_tokens=10,
+                   temperature=1.0, seed=3, stop_ids=())
+    other = generate(target, [PROMPTS[0], [9, 9, 9]], "dominotree", draft, budget=6, max_new_tokens=10,
+                     temperature=1.0, seed=3, stop_ids=())
+    assert one.tokens[0] == other.tokens[0]
+    same = generate(target, [PROMPTS[1], PROMPTS[1]], "dominotree", draft, budget=6, max_new_tokens=10,
+                    temperature=1.0, seed=3, stop_ids=())
+    assert same.tokens[1] == one.tokens[1] and same.tokens[0] != same.tokens[1]  # streams: seed and index
+
+
 def test_bad_input(models):
     _, target, draft = models
     with pytest.raises(ValueError, match="unknown method"):
         generate(target, PROMPTS, "beam", draft)
     with pytest.raises(ValueError, match="needs a drafter"):
         generate(target, PROMPTS, "ddtree")
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 128\)"):
         generate(target, [[1, 999]], "ar")
     with pytest.raises(ValueError, match="at least one"):
         generate(target, [[]], "ar")

@@ -89,6 +89,7 @@ class Qwen3Config:
     dtype: str = "bfloat16"  # activation and KV-cache dtype
     attention_impl: str = "xla"  # "xla" (reference_tree_attention) or "pallas"
     kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
+    max_position_embeddings: int | None = None  # positions the model was trained for (generate checks prompts)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)  # accept jnp.bfloat16, np.dtype, "float32"
@@ -135,6 +136,7 @@ class Qwen3Config:
             qk_norm=model_type == "qwen3",
             qkv_bias=model_type == "qwen2",
             rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings"),
         )
         fields.update(overrides)
         return cls(**fields)

@@ -85,6 +85,7 @@ class Qwen35Config:
     dtype: str = "bfloat16"  # activations, K/V and conv state (the recurrent state is always fp32)
     attention_impl: str = "xla"  # "xla" or "pallas" (tree attention and the tree-GDN kernel)
     kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
+    max_position_embeddings: int | None = None  # positions the model was trained for (generate checks prompts)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -188,6 +189,7 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
         moe_intermediate_size=moe_int("moe_intermediate_size"),
         shared_expert_intermediate_size=moe_int("shared_expert_intermediate_size"),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        max_position_embeddings=text.get("max_position_embeddings"),
     )
     fields.update(overrides)
     return Qwen35Config(**fields)
