@@ -62,7 +62,11 @@ def _read_prompts(args) -> tuple[list, bool]:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         return [ids], False
     if args.prompts_file is not None:
-        texts = [t for t in pathlib.Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if t.strip()]
+        try:
+            text = pathlib.Path(args.prompts_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {args.prompts_file}: not utf-8 text ({e})") from None
+        texts = [t for t in text.splitlines() if t.strip()]
         if not texts:
             raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt (one per line)")
         return texts, args.chat

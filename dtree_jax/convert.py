@@ -12,7 +12,7 @@ checked against ``hf_shapes`` (missing / unexpected / wrong shape) before any te
 read (GGUF: dequantised) one at a time, so peak host memory is about the converted params plus one tensor.
 
 ``convert`` writes ``out/target/`` and ``out/drafter/``, each with ``config.json``, tokenizer files,
-``params/`` (orbax ``StandardCheckpointer``) and ``dtree_jax.json`` (kind and dtype); ``load_converted``
+``params/`` (orbax, ``StandardCheckpointHandler``) and ``dtree_jax.json`` (kind and dtype); ``load_converted``
 restores one of them.
 """
 
@@ -25,9 +25,11 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -467,9 +469,10 @@ def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) ->
         for name in ("config.json", *TOKENIZER_FILES, *extra):
             if name == "config.json" or (model.path / name).exists() or (model.path / name).is_symlink():
                 shutil.copyfile(checkpoint_file(model.path, name), dst / name)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(dst / PARAMS_DIR, params)
-        ckptr.wait_until_finished()
+    # Synchronous (no background writer): an interrupt stops the save in this thread, so the caller's cleanup
+    # never races a writer still filling the directory it removes.
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        ckptr.save(dst / PARAMS_DIR, args=ocp.args.StandardSave(params))
     meta = {"kind": model.kind, "dtype": _dtype(dtype, model.config).name, "source": str(model.path)}
     (dst / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return model.kind, stats
@@ -502,11 +505,15 @@ def convert(
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise ValueError(f"{out}: exists and is not an empty directory; pass overwrite=True (--overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    _remove_stale_partials(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result gets the mode any new directory would
     summary = {"out": str(out), "dtype": dtype, "models": {}, "keys": 0, "bytes": 0}
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM cleans up like Ctrl-C
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for role, src in (("target", target_dir), ("drafter", drafter_dir)):
             if src is not None:
@@ -524,8 +531,28 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
     summary["seconds"] = time.perf_counter() - start
     return summary
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Removes ``.<out>.partial-<pid>-*`` directories left by conversions whose process no longer runs (killed
+    with SIGKILL, or by a power cut); a live conversion's directory is left alone."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            pid = int(partial.name[len(f".{out.name}.partial-"):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, PermissionError):  # not ours to judge: an old name, or another user's process
+            continue
 
 
 def _read_meta(path: Path) -> dict:
@@ -645,7 +672,8 @@ def add_cli(sub) -> None:
     p.add_argument("--target", required=True, help="HF target model directory (config.json + weights) or GGUF file")
     p.add_argument("--drafter", help="HF DFlash/Domino drafter directory")
     p.add_argument("--out", required=True, help="output directory (gets target/ and drafter/)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype of the converted params (default: bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_cli)

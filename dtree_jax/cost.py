@@ -201,4 +201,7 @@ def load_calibration(calibration: dict | str | None, drafter_dir: str | None) ->
             f"budget='auto' needs a calibration ({CALIBRATION_FILE} beside the drafter, or calibration=...); "
             "experiments/run_experiments.py measures one"
         )
-    return json.loads(pathlib.Path(path).read_text())
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"calibration file {path} is not valid JSON ({e})") from None

@@ -274,10 +274,10 @@ def generate_shards(
             feats=feats[:n].view(np.uint16),
             top_ids=ids[:n],
             top_logp=logp[:n],
-            generate_seconds=np.float64(g.stats[0]["seconds"]),
+            generate_seconds=np.float64(g.seconds),
             record_seconds=np.float64(time.perf_counter() - t0),
         )
-        bar.set_postfix(gen_tok_s=f"{sum(len(t) for t in g.tokens) / g.stats[0]['seconds']:.0f}")
+        bar.set_postfix(gen_tok_s=f"{sum(len(t) for t in g.tokens) / g.seconds:.0f}")
     return dict(settings=settings, shards=n_shards)
 
 

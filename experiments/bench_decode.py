@@ -53,7 +53,7 @@ def run(target, drafter, prompts, method, budget, max_new, repeats) -> dict:
     for r in range(repeats + 1):
         res = generate(target, prompts, method, drafter, budget=budget, max_new_tokens=max_new, stop_ids=())
         if r > 0:
-            times.append(res.stats[0]["seconds"])
+            times.append(res.seconds)
     return dict(generated=sum(s["generated"] for s in res.stats), rounds=sum(s["rounds"] for s in res.stats),
                 prefilled=len(prompts), seconds=statistics.median(times), tokens=res.tokens)
 

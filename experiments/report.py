@@ -1,7 +1,12 @@
-"""Prints the markdown tables of experiments/results/exp_*.json and bench_decode.json (pasted into the README)."""
+"""Prints the markdown tables of experiments/results/exp_*.json and bench_decode.json (pasted into the README).
+
+    python experiments/report.py            # the SmolLM2 pair (exp_smollm2_*.json)
+    python experiments/report.py --pair tiny
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 
@@ -19,34 +24,50 @@ def _table(header, rows):
     return "\n".join(out)
 
 
-def main() -> None:
-    d = _load("exp_budgets.json")
-    if d:
-        print(f"### tau and tokens/s vs budget (a batch of {d['rows'][0]['batch']} prompts)\n")
-        print(_table(["method", "budget", "tau", "tokens/s", "speedup vs ar", "output = ar"],
-                     [[r["method"], r["budget"] or "-", f"{r['tau']:.2f}", f"{r['tokens_per_second']:.0f}",
-                       f"{r['speedup_vs_ar']:.2f}x", "yes" if r.get("matches_ar") else "NO"] for r in d["rows"]]))
-    for name, title, col in (("exp_width.json", "candidate width M (dominotree)", "corr_topm"),
-                             ("exp_ladder.json", "conditioning ladder", "method")):
+def _same(r) -> str:
+    return {True: "yes", False: "NO", None: "-"}[r.get("matches_ar")]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
+    prefix = "" if p.parse_args(argv).pair == "tiny" else "smollm2_"
+    for part, title in (("budgets", "tau and tokens/s vs budget"), ("sampled", "the same at temperature 0.7")):
+        d = _load(f"exp_{prefix}{part}.json")
+        if d:
+            bs = d["rows"][0]["batch"]
+            print(f"### {title} (batch {bs}, {d['rows'][0].get('prompts', bs)} prompts)\n")
+            print(_table(["method", "budget", "tau", "tokens/s", "speedup vs ar", "output = ar"],
+                         [[r["method"], r["budget"] or "-", f"{r['tau']:.2f}", f"{r['tokens_per_second']:.1f}",
+                           f"{r['speedup_vs_ar']:.2f}x", _same(r)] for r in d["rows"]]))
+            print()
+    for name, title, col in ((f"exp_{prefix}width.json", "candidate width M (dominotree)", "corr_topm"),
+                             (f"exp_{prefix}ladder.json", "conditioning ladder", "method")):
         d = _load(name)
         if d:
             print(f"\n### {title}, budget {d['budget']}\n")
             print(_table([col, "tau", "tokens/s", "output = ar"],
-                         [[("full" if r.get(col) == 0 else r.get(col)), f"{r['tau']:.2f}", f"{r['tokens_per_second']:.0f}",
-                           "yes" if r.get("matches_ar") else "NO"] for r in d["rows"]]))
-    d = _load("exp_goodput.json")
+                         [[("full" if r.get(col) == 0 else r.get(col)), f"{r['tau']:.2f}",
+                           f"{r['tokens_per_second']:.1f}", _same(r)] for r in d["rows"]]))
+    d = _load(f"exp_{prefix}goodput.json")
     if d:
-        budgets = sorted({r["budget"] for r in d["rows"] if not r.get("auto")})
+        trees = [r for r in d["rows"] if r["method"] != "ar"]
+        budgets = sorted({r["budget"] for r in trees if not r.get("auto")})
         batches = sorted({r["batch"] for r in d["rows"]})
         rows = []
         for bs in batches:
-            fixed = {r["budget"]: r for r in d["rows"] if r["batch"] == bs and not r.get("auto")}
-            auto = next(r for r in d["rows"] if r["batch"] == bs and r.get("auto"))
-            rows.append([bs] + [f"{fixed[b]['tokens_per_second']:.0f}" for b in budgets]
-                        + [f"{auto['tokens_per_second']:.0f} (budget {auto['budget']})", f"{auto['auto_vs_best']:.2f}"])
+            fixed = {r["budget"]: r for r in trees if r["batch"] == bs and not r.get("auto")}
+            auto = next(r for r in trees if r["batch"] == bs and r.get("auto"))
+            ar = next((r for r in d["rows"] if r["batch"] == bs and r["method"] == "ar"), None)
+            rows.append([bs, f"{ar['tokens_per_second']:.1f}" if ar else "-"]
+                        + [f"{fixed[b]['tokens_per_second']:.1f}" for b in budgets]
+                        + [f"{auto['tokens_per_second']:.1f} (budget {auto['budget']})", f"{auto['auto_vs_best']:.2f}",
+                           "yes" if all(r.get("matches_ar") is not False for r in d["rows"] if r["batch"] == bs)
+                           else "NO"])
         print("\n### goodput (generated tokens/s over the batch) vs batch size, dominotree\n")
-        print(_table(["batch"] + [f"budget {b}" for b in budgets] + ["auto", "auto / best fixed"], rows))
-    d = _load("bench_decode.json")
+        print(_table(["batch", "ar"] + [f"budget {b}" for b in budgets]
+                     + ["auto", "auto / best fixed", "outputs = ar"], rows))
+    d = _load("bench_decode.json") if not prefix else None
     if d:
         print("\n### bench_decode\n")
         print(_table(["method", "budget", "tau", "tokens/s", "speedup vs ar", "target passes / token", "output = ar"],

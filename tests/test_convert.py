@@ -576,3 +576,32 @@ def test_output_honours_the_umask_and_keeps_the_calibration(tmp_path, hf_dirs):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
     assert (tmp_path / "out" / "drafter" / "calibration.json").read_text() == '{"tau_by_budget": {}}'
+
+
+def test_an_interrupted_conversion_leaves_nothing(tmp_path, hf_dirs, monkeypatch):
+    target, drafter = hf_dirs
+    real = cv.read_params
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the drafter, after the target was written into the temporary directory
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(cv, "read_params", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cv.convert(target, drafter, out_dir=tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "target"]  # no .partial-*, no out
+
+
+def test_stale_partials_of_dead_conversions_are_removed(tmp_path, hf_dirs):
+    import os
+
+    target, _ = hf_dirs
+    dead = tmp_path / ".out.partial-999999999-abc"  # no such process
+    (dead / "target").mkdir(parents=True)
+    alive = tmp_path / f".out.partial-{os.getpid()}-def"  # a conversion still running (this process)
+    alive.mkdir()
+    cv.convert(target, out_dir=tmp_path / "out", progress=False)
+    assert not dead.exists() and alive.exists()

@@ -164,7 +164,7 @@ def test_cli_attention_impl_flag(monkeypatch, capsys):
         seen.append(kw)
         stats = dict(generated=1, rounds=1, tau=0.0, seconds=1.0, tokens_per_second=1.0, stop_reason="eos",
                      budget=None)
-        return api.Generation([[65]], [stats], 0.0)
+        return api.Generation([[65]], [stats], 0.0, 1.0)
 
     monkeypatch.setattr(api, "generate", fake_generate)
     from dtree_jax.cli import main
