@@ -116,9 +116,9 @@ def build_tree(spec: Spec, tparams, dparams, rnd: builders.DraftRound | None, st
         dparams.head,
         spec.target.embed_table(tparams),
         budget=spec.num_nodes - 1,
-        k=spec.node_topk,
-        M=spec.corr_topm,
-        P=spec.drafter_cfg.pure_draft_prefix_len,
+        node_topk=spec.node_topk,
+        corr_topm=spec.corr_topm,
+        pure_draft_prefix_len=spec.drafter_cfg.pure_draft_prefix_len,
         max_depth=spec.max_depth,
         mask_token_id=spec.drafter_cfg.mask_token_id,
     )

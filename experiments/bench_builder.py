@@ -54,7 +54,7 @@ def time_builders(rounds, head, embed, budget, max_depth, reps):
 
     def run(builder, rnd):
         tree = build_tree(
-            "dominotree", rnd, head, embed, budget=budget, k=K_TOP, M=M, P=P, max_depth=max_depth,
+            "dominotree", rnd, head, embed, budget=budget, node_topk=K_TOP, corr_topm=M, pure_draft_prefix_len=P, max_depth=max_depth,
             mask_token_id=MASK, builder=builder,
         )
         return jax.block_until_ready(tree)
@@ -131,7 +131,7 @@ def main():
     out = {
         "machine": machine,
         "config": {
-            "H": H, "G": G, "E": E, "V": V, "K": K, "k": K_TOP, "M": M, "P": P, "reps": args.reps,
+            "H": H, "G": G, "E": E, "V": V, "K": K, "node_topk": K_TOP, "corr_topm": M, "pure_draft_prefix_len": P, "reps": args.reps,
             "weights": "random fp32",
             "timed": "build_tree('dominotree') incl. per-round scorer setup; builders alternate per rep",
         },

@@ -28,10 +28,37 @@ def _same(r) -> str:
     return {True: "yes", False: "NO", None: "-"}[r.get("matches_ar")]
 
 
+def plot_training() -> None:
+    """The SmolLM2 drafter's loss curves (train_smollm2_drafter.json) as train_smollm2_drafter.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = _load("train_smollm2_drafter.json")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for key, label in (("kd_base", "KD, base rows"), ("kd_final", "KD, corrected rows"), ("loss", "objective")):
+        a.plot(d["steps"], d[key], label=label, lw=1)
+    a.axvline(d["recipe"]["backbone_steps"], color="gray", ls=":", label="head steps start")
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.set_ylabel("nats")
+    a.legend(fontsize=8)
+    b.plot(d["steps"], d["top1"], lw=1)
+    b.set_xlabel("step")
+    b.set_ylabel("top-1 agreement (training batches)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "train_smollm2_drafter.png", dpi=110)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
-    prefix = "" if p.parse_args(argv).pair == "tiny" else "smollm2_"
+    p.add_argument("--plot-training", action="store_true", help="also draw the SmolLM2 drafter's loss curves")
+    a = p.parse_args(argv)
+    prefix = "" if a.pair == "tiny" else "smollm2_"
+    if a.plot_training:
+        plot_training()
     for part, title in (("budgets", "tau and tokens/s vs budget"), ("sampled", "the same at temperature 0.7")):
         d = _load(f"exp_{prefix}{part}.json")
         if d:

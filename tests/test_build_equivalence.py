@@ -25,7 +25,7 @@ def check(method, case, batch, rounds=2):
     head, embed = tiny_model(seed=sum(case))
     for r in range(rounds):
         rnd = random_round(head, embed, seed=31 * r + batch + sum(case), batch=batch, depth=K)
-        kw = dict(budget=budget, k=k, M=M, P=P, mask_token_id=V_MASK)
+        kw = dict(budget=budget, node_topk=k, corr_topm=M, pure_draft_prefix_len=P, mask_token_id=V_MASK)
         got = build_tree(method, rnd, head, embed, builder="frontier", **kw)
         want = build_tree(method, rnd, head, embed, builder="heap", **kw)
         assert_same_tree(got, want)
@@ -53,7 +53,7 @@ def test_dead_leaf_padding_layout():
     M, P, K, k, budget = CASES[5]  # 2 + 4 = 6 real candidates for 12 slots
     head, embed = tiny_model(seed=sum(CASES[5]))
     rnd = random_round(head, embed, seed=3, batch=5, depth=K)
-    tree = build_tree("dominotree", rnd, head, embed, budget=budget, k=k, M=M, P=P, mask_token_id=V_MASK)
+    tree = build_tree("dominotree", rnd, head, embed, budget=budget, node_topk=k, corr_topm=M, pure_draft_prefix_len=P, mask_token_id=V_MASK)
     dead = ~(tree.scores > -float("inf"))
     assert int(dead.sum(axis=1).min()) == budget - 6 and int(dead.sum(axis=1).max()) == budget - 6
     assert (tree.tokens[dead] == V_MASK).all()

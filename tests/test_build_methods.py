@@ -55,7 +55,7 @@ def check_invariants(tree, budget, mask_token):
 def test_invariants_random(seed, method):
     head, embed = tiny_model(seed % 3)
     rnd = random_round(head, embed, seed=seed, batch=3, depth=6)
-    tree = build_tree(method, rnd, head, embed, budget=20, k=4, M=16, P=1, mask_token_id=MASK)
+    tree = build_tree(method, rnd, head, embed, budget=20, node_topk=4, corr_topm=16, pure_draft_prefix_len=1, mask_token_id=MASK)
     check_invariants(tree, 20, MASK)
 
 
@@ -95,7 +95,7 @@ def ddtree_lazy(base, budget, rank_cap, depth_limit):
 def test_marginal_tree_equals_ddtree_lazy_enumeration(budget, k, max_depth):
     head, embed = tiny_model(0)
     rnd = random_round(head, embed, seed=budget + k, batch=4, depth=6)
-    kw = dict(budget=budget, k=k, max_depth=max_depth, mask_token_id=MASK)
+    kw = dict(budget=budget, node_topk=k, max_depth=max_depth, mask_token_id=MASK)
     trees = [build_tree("ddtree", rnd, builder=b, **kw) for b in ("frontier", "heap")]
     assert_same_tree(trees[0], trees[1])
     base = np.asarray(rnd.base, np.float64)
@@ -114,7 +114,7 @@ def test_zero_correction_dominotree_equals_ddtree():
     head, embed = tiny_model(1)
     head = DominoHead(head.w_ih, head.w_hh, head.w1, jnp.zeros_like(head.w2))
     rnd = random_round(head, embed, seed=9, batch=3, depth=5)
-    kw = dict(budget=12, k=3, M=0, P=1, mask_token_id=MASK)
+    kw = dict(budget=12, node_topk=3, corr_topm=0, pure_draft_prefix_len=1, mask_token_id=MASK)
     assert_same_tree(build_tree("dominotree", rnd, head, embed, **kw), build_tree("ddtree", rnd, **kw))
 
 
@@ -160,7 +160,7 @@ def domino_chain_direct(head, embed, ph, base, root, M, P):
 def test_domino_chain_equals_direct_sequential(M, P):
     head, embed = tiny_model(2)
     rnd = random_round(head, embed, seed=M + P, batch=3, depth=6)
-    tree = build_tree("domino", rnd, head, embed, M=M, P=P)
+    tree = build_tree("domino", rnd, head, embed, corr_topm=M, pure_draft_prefix_len=P)
     assert tree.tokens.shape == (3, 7)
     np.testing.assert_array_equal(np.asarray(tree.parents[0]), np.arange(7) - 1)
     for b in range(3):
@@ -174,10 +174,10 @@ def test_dflash_chain_is_argmax_and_domino_chain_is_k1_frontier():
     rnd = random_round(head, embed, seed=4, batch=3, depth=6)
     tree = build_tree("dflash", rnd)
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), np.argmax(np.asarray(rnd.base), axis=-1))
-    chain = build_tree("domino", rnd, head, embed, M=8, P=1)
-    frontier = build_tree("dominotree", rnd, head, embed, budget=6, k=1, M=8, P=1, mask_token_id=MASK)
+    chain = build_tree("domino", rnd, head, embed, corr_topm=8, pure_draft_prefix_len=1)
+    frontier = build_tree("dominotree", rnd, head, embed, budget=6, node_topk=1, corr_topm=8, pure_draft_prefix_len=1, mask_token_id=MASK)
     assert_same_tree(frontier, chain)
-    short = build_tree("domino", rnd, head, embed, M=8, P=1, max_depth=3)
+    short = build_tree("domino", rnd, head, embed, corr_topm=8, pure_draft_prefix_len=1, max_depth=3)
     np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(chain.tokens[:, :4]))
 
 
@@ -199,7 +199,7 @@ def _primitives(jaxpr, out):
 
 def test_frontier_is_one_jaxpr_without_callbacks_and_does_not_recompile():
     head, embed = tiny_model(0)
-    kw = dict(budget=12, k=3, M=8, P=1, mask_token_id=MASK)
+    kw = dict(budget=12, node_topk=3, corr_topm=8, pure_draft_prefix_len=1, mask_token_id=MASK)
     traces = []
 
     def fn(r, h, e):
@@ -234,10 +234,10 @@ def test_frontier_is_one_jaxpr_without_callbacks_and_does_not_recompile():
     "kw, match",
     [
         (dict(budget=0), "budget"),
-        (dict(k=0), "k must"),
+        (dict(node_topk=0), "node_topk must"),
         (dict(max_depth=0), "max_depth"),
-        (dict(M=-1), "M must"),
-        (dict(M=V + 1), "exceeds"),
+        (dict(corr_topm=-1), "corr_topm must"),
+        (dict(corr_topm=V + 1), "exceeds"),
         (dict(method="eagle"), "unknown method"),
         (dict(builder="fast"), "unknown builder"),
         (dict(mask_token_id=None), "mask_token_id"),

@@ -186,7 +186,7 @@ def test_output_multiplier_and_softcap_match_the_dflash_package():
     plain = np.asarray(qwen3.lm_head(tparams, tcfg, jnp.asarray(ph)))
     trees = [
         builders.build_tree("ddtree", builders.DraftRound(ph=jnp.asarray(ph), base=jnp.asarray(base), root_state=None,
-                                                    root=jnp.zeros((2,), jnp.int32)), budget=30, k=8,
+                                                    root=jnp.zeros((2,), jnp.int32)), budget=30, node_topk=8,
                          mask_token_id=cfg.mask_token_id)
         for base in (ours, plain)
     ]

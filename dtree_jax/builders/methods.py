@@ -138,9 +138,9 @@ def build_tree(
     embed: jax.Array | None = None,  # [V, H]
     *,
     budget: int = 16,
-    k: int = 8,
-    M: int | None = None,
-    P: int = 1,
+    node_topk: int = 8,
+    corr_topm: int | None = None,
+    pure_draft_prefix_len: int = 1,
     max_depth: int | None = None,
     mask_token_id: int | None = None,
     builder: str = "frontier",
@@ -148,8 +148,9 @@ def build_tree(
     """Draft tree of one round for every request.
 
     ``budget``: non-root nodes (trees have ``budget + 1`` nodes; chains ``min(max_depth, K) + 1`` and ignore
-    ``budget``, ``k`` and ``builder``); ``k``: children per node (clamped to ``M`` when ``M > 0``); ``M``:
-    correction candidates (0 = full vocabulary; default: the method's ``corr_topm``); ``P``: pure-draft prefix length (uncorrected depths);
+    ``budget``, ``node_topk`` and ``builder``); ``node_topk`` (the paper's k): children per node (clamped to
+    ``corr_topm`` when it is > 0); ``corr_topm`` (M): correction candidates (0 = full vocabulary; default: the
+    method's); ``pure_draft_prefix_len`` (P): uncorrected leading depths;
     ``max_depth``: ledger depths used (default K); ``mask_token_id``: dead-leaf token (tree methods).
     ``builder``: ``"frontier"`` (one jit, batched, no host syncs) or ``"heap"`` (host reference, same tree on
     tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
@@ -162,17 +163,18 @@ def build_tree(
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
     b, depth, vocab = _check_round(rnd, head, embed, needs_head=spec.needs_head)
     max_depth = depth if max_depth is None else max_depth
-    M = spec.corr_topm if M is None else M
-    knobs = {"budget": (budget, 1), "k": (k, 1), "max_depth": (max_depth, 1), "M": (M, 0), "P": (P, 0)}
+    corr_topm = spec.corr_topm if corr_topm is None else corr_topm
+    knobs = {"budget": (budget, 1), "node_topk": (node_topk, 1), "max_depth": (max_depth, 1),
+             "corr_topm": (corr_topm, 0), "pure_draft_prefix_len": (pure_draft_prefix_len, 0)}
     for name, (value, low) in knobs.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     budget, k, max_depth, M, P = (int(v) for v, _ in knobs.values())
     if M > vocab:
-        raise ValueError(f"M = {M} exceeds the vocabulary size {vocab}")
+        raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {vocab}")
     k = min(k, M) if M > 0 else k
     if k > vocab:
-        raise ValueError(f"k = {k} exceeds the vocabulary size {vocab}")
+        raise ValueError(f"node_topk = {k} exceeds the vocabulary size {vocab}")
     if spec.tree:
         if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < vocab:
             raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
