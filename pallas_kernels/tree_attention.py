@@ -376,6 +376,27 @@ def _pick_backend(backend: str | None, interpret) -> str:
     return backend
 
 
+# Default tiles per backend and head size: (max kv rows per tile, max query rows per tile).  TPU: the kv tile a
+# multiple of 128 (the lane width), query tiles of up to 256 rows keep the score tile in VMEM.  GPU: smaller kv
+# tiles for wider heads (shared memory holds block_kv x D of K and V per stage).  Not yet tuned on hardware
+# (experiments/gpu_check.py times the GPU choices); explicit block_kv / block_q arguments override them.
+BLOCK_SIZES = {
+    ("tpu", 64): (512, 256),
+    ("tpu", 128): (512, 256),
+    ("tpu", 256): (256, 128),
+    ("gpu", 64): (64, 128),
+    ("gpu", 128): (64, 128),
+    ("gpu", 256): (32, 64),
+}
+
+
+def block_sizes(backend: str, head_dim: int) -> tuple[int, int]:
+    """``(block_kv, block_q)`` limits from ``BLOCK_SIZES`` for the smallest tabled head size >= ``head_dim``
+    (the largest tabled one beyond)."""
+    sizes = sorted(d for b, d in BLOCK_SIZES if b == backend)
+    return BLOCK_SIZES[backend, next((d for d in sizes if d >= head_dim), sizes[-1])]
+
+
 def tree_attention(
     q: jax.Array,  # [B, T, H, D] queries, RoPE applied
     k: jax.Array,  # [B, S, Hkv, D] key cache (new tokens written at [lens, lens + T))
@@ -400,9 +421,9 @@ def tree_attention(
     (``reference_tree_attention``) or None: the default platform's kernel; on CPU the TPU kernel when
     ``interpret`` is set, else the XLA reference (Pallas cannot run on CPU without interpret mode).
     interpret: True (fast HLO interpreter, either kernel) or ``pltpu.InterpretParams()`` (TPU semantics).
-    block_kv: kv rows per tile (default 512 on TPU, 64 on GPU; the TPU needs a multiple of 128 unless it
-    covers the whole cache, the GPU a power of two).  block_q: query rows (``T * H / Hkv``) per tile
-    (default: all of them up to 256 on TPU / 128 on GPU).  num_splits, num_warps, num_stages: GPU only.
+    block_kv: kv rows per tile (default from ``block_sizes``: 512 on TPU, 64 on GPU at D <= 128; the TPU needs
+    a multiple of 128 unless it covers the whole cache, the GPU a power of two).  block_q: query rows
+    (``T * H / Hkv``) per tile (default: all of them up to ``block_sizes``' limit).  num_splits, num_warps, num_stages: GPU only.
     Any T, H, Hkv, D, S work: the wrapper pads rows, D and S as the backend needs and slices the result.
     Padding D (to a multiple of 128 on TPU when Hkv > 1, to a power of two on GPU) or S (to a multiple of
     block_kv) copies the cache; production shapes (D = 128, block_kv dividing S) copy nothing.
@@ -434,13 +455,14 @@ def tree_attention(
     bits = jnp.repeat(bits, g, axis=1)  # [B, T*g, W]: row t*g+j belongs to query t
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
 
+    max_kv, max_q = block_sizes(backend, d)
     if backend == "tpu":
-        block_kv = block_kv or min(512, _round_up(s, 128))
-        block_q = block_q or min(_round_up(rows, 16), 256)
+        block_kv = block_kv or min(max_kv, _round_up(s, 128))
+        block_q = block_q or min(_round_up(rows, 16), max_q)
         dp = d if hkv == 1 or d % 128 == 0 else _round_up(d, 128)
     else:
-        block_kv = block_kv or 64
-        block_q = block_q or min(max(16, _next_pow2(rows)), 128)
+        block_kv = block_kv or max_kv
+        block_q = block_q or min(max(16, _next_pow2(rows)), max_q)
         dp = max(16, _next_pow2(d))
     r, sp = _round_up(rows, block_q), _round_up(s, block_kv)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, r - rows), (0, dp - d)))

@@ -276,3 +276,13 @@ def test_dtype_contract_refusals():
                        interpret=True)
     with pytest.raises(ValueError, match="floating"):
         tree_attention(q.astype(jnp.int32), k, v, lens, local, scale=1.0, backend="gpu", interpret=True)
+
+
+def test_block_size_table_obeys_each_backends_tiling_rules():
+    from pallas_kernels.tree_attention import BLOCK_SIZES, block_sizes
+
+    for (backend, d), (kv, q) in BLOCK_SIZES.items():
+        assert kv & (kv - 1) == 0 and q & (q - 1) == 0  # powers of two
+        assert backend != "tpu" or kv % 128 == 0  # lane-aligned kv tiles
+        assert block_sizes(backend, d) == (kv, q)
+    assert block_sizes("gpu", 96) == BLOCK_SIZES["gpu", 128] and block_sizes("tpu", 512) == BLOCK_SIZES["tpu", 256]
