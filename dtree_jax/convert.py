@@ -195,8 +195,11 @@ class _TorchFile:
                 "safetensors checkpoints need no torch"
             ) from e
         self.file, self._torch = file, torch
+        import zipfile
+
+        # mmap needs the zip format (torch >= 1.6); a legacy (pre-zip) file is read into memory instead.
         with _file_errors(file, "load PyTorch checkpoint"):
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
         if not isinstance(state, dict):
             raise ValueError(f"{file}: expected a state dict, got {type(state).__name__}")
         for key, value in state.items():
@@ -504,9 +507,12 @@ def convert(
                              "another --out")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise ValueError(f"{out}: exists and is not an empty directory; pass overwrite=True (--overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise ValueError(f"{out}: cannot write there ({e.strerror}); choose another --out") from None
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result gets the mode any new directory would

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dtree_jax.builders import DraftRound, build_tree, lane_widths
-from dtree_jax.builders.methods import _build
+from dtree_jax.builders.methods import jitted_build
 from dtree_jax.models.domino_head import DominoHead
 from tests.build_oracles import V, assert_same_tree, random_round, tiny_model
 
@@ -218,7 +218,7 @@ def test_frontier_is_one_jaxpr_without_callbacks_and_does_not_recompile():
     assert len(traces) == 1  # new values did not retrace
     assert not np.array_equal(np.asarray(first.tokens), np.asarray(second.tokens))
     # Direct (un-jitted) calls reuse the one compiled builder too.
-    cache_size = getattr(_build, "_cache_size", None)
+    cache_size = getattr(jitted_build, "_cache_size", None)
     build_tree("dominotree", rnd, head, embed, **kw)
     size = cache_size() if cache_size else None
     build_tree("dominotree", random_round(head, embed, seed=2, batch=2, depth=5), head, embed, **kw)

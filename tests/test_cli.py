@@ -86,3 +86,65 @@ def test_malformed_calibration_gives_one_line(tmp_path, capsys):
     assert main(["generate", "--target", target, "--drafter", str(copy), "--no-compare-ar", "--budget", "auto"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtree-jax: error: ") and "calibration" in err, err
+
+
+def test_the_installed_package_runs_the_main_job_from_anywhere(tmp_path):
+    """Issue 16, item 11: a non-editable install (the wheel's files, here unpacked into a directory) finds its
+    shipped checkpoints wherever it lives; run from / with the source tree's editable finder removed."""
+    import pathlib
+    import zipfile
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheel"), str(root)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-2000:]
+    site = tmp_path / "site"
+    zipfile.ZipFile(next((tmp_path / "wheel").glob("dtree_jax-*.whl"))).extractall(site)
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+        f"sys.path.insert(0, {str(site)!r}); import dtree_jax, dtree_jax.cli as cli; "
+        f"assert dtree_jax.__file__.startswith({str(site)!r}), dtree_jax.__file__; "
+        "sys.exit(cli.main(['generate', '--max-new-tokens', '6', '--no-compare-ar', '--json']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=900,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["generated"] == 6
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    """Issue 16, item 14: no option without help; the top-level description is plain text."""
+    import argparse
+
+    from dtree_jax.cli import build_parser
+
+    parser = build_parser()
+    assert "`" not in parser.description
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings} has no help"
+                if action.default not in (None, False) and not isinstance(action.default, bool):
+                    shown = sub.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+                    assert shown or "default" in action.help, f"{name} {action.option_strings}: default not shown"
+
+
+def test_no_pickle_is_tracked():
+    """Issue 16, item 15: nothing in the repository is a pickle (by name or by content)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    assert not [f for f in files if f.endswith((".pkl", ".pickle", ".npz", ".npy"))]
+    magic = [f for f in files if (root / f).is_file() and (root / f).read_bytes()[:2] in (b"\x80\x02", b"\x80\x04",
+                                                                                       b"\x80\x05")]
+    assert not magic, magic
+
+
+def test_convert_into_a_read_only_place_gives_one_line(capsys):
+    """/sys refuses new directories even to root (a chmod'ed directory would not stop a root CI user)."""
+    target, _ = (shipped(name) for name in SHIPPED_TINY)
+    assert main(["convert", "--target", target, "--out", "/sys/dtree-jax-test-out", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtree-jax: error: ") and "/sys/dtree-jax-test-out" in err, err

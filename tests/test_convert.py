@@ -167,7 +167,7 @@ def _save(path: Path, tensors: dict[str, np.ndarray], config: dict, fmt: str = "
     elif fmt == "glob":
         for h, part in halves.items():
             save_file(part, str(path / f"weights-{h}.safetensors"))
-    elif fmt == "bin":
+    elif fmt in ("bin", "legacy-bin"):
         import torch
 
         def to_torch(x):
@@ -176,7 +176,8 @@ def _save(path: Path, tensors: dict[str, np.ndarray], config: dict, fmt: str = "
             return torch.from_numpy(x)
 
         for h, part in halves.items():
-            torch.save({k: to_torch(v) for k, v in part.items()}, path / f"pytorch_model-{h}.bin")
+            torch.save({k: to_torch(v) for k, v in part.items()}, path / f"pytorch_model-{h}.bin",
+                       _use_new_zipfile_serialization=fmt == "bin")
     else:
         raise AssertionError(fmt)
     return path
@@ -212,7 +213,7 @@ def _assert_same(a, b):
 # Readers, dtypes, key normalisation
 
 
-@pytest.mark.parametrize("fmt", ["single", "sharded", "glob", "bin"])
+@pytest.mark.parametrize("fmt", ["single", "sharded", "glob", "bin", "legacy-bin"])
 def test_formats_give_identical_params(tmp_path, fmt):
     tensors = _tensors(TARGET_CONFIG, ml_dtypes.bfloat16)
     kind, cfg, params = cv.load_hf(_save(tmp_path / fmt, tensors, TARGET_CONFIG, fmt), "float32")

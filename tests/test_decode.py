@@ -262,3 +262,17 @@ def test_every_target_module_satisfies_the_target_protocol():
     for kind in targets:
         assert isinstance(Model(kind, None, None).module, protocol.TargetModel), kind
     assert not isinstance(Model("drafter", None, None).module, protocol.TargetModel)
+
+
+def test_stats_are_per_request_and_plain_numbers(models):
+    """Issue 16, item 13: a request that stops early reports its own (shorter) time; tau is a float; the
+    instrumented mode reports its compilation apart from the stage times."""
+    _, target, draft = models
+    got = generate(target, PROMPTS, "dominotree", draft, budget=6, max_new_tokens=20, stop_ids=())
+    short = generate(target, PROMPTS, "dominotree", draft, budget=6, max_new_tokens=20,
+                     stop_ids=(got.tokens[0][2],))  # request 0 stops after 3 tokens, request 1 (probably) later
+    first, second = short.stats
+    assert type(first["tau"]) is float and first["rounds"] < second["rounds"]
+    assert first["seconds"] < second["seconds"] <= short.seconds + 1e-9
+    inst = generate(target, PROMPTS, "dominotree", draft, budget=6, max_new_tokens=8, stop_ids=(), instrument=True)
+    assert inst.compile_seconds > 0 and all(v < inst.compile_seconds for v in inst.stage_seconds.values())

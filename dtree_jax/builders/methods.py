@@ -110,7 +110,9 @@ def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
 
 
 @functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "P", "max_depth", "mask_token_id"))
-def _build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
+def jitted_build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
+    """The jitted frontier / chain builder behind ``build_tree`` (validated knobs; one compilation per static
+    knobs and shapes)."""
     if not get_method(method).tree:
         scorer = make_scorer(method, rnd, head, embed, k=1, M=M, P=P)
         return chain_draft(scorer, rnd.root, max_depth=max_depth)
@@ -184,7 +186,7 @@ def build_tree(
     if builder == "heap" and spec.tree:
         scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, P=P)
         return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
-    return _build(
+    return jitted_build(
         method, rnd, head, embed,
         budget=budget, k=k, M=M, P=P, max_depth=max_depth, mask_token_id=mask_token_id,
     )
