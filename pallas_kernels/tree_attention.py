@@ -163,8 +163,18 @@ def _precision(dtype):
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if dtype == jnp.float32 else None
 
 
-def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, t, words, g,
-                window):
+def _tpu_kernel(
+    lens_ref,  # [B] int32 in SMEM (scalar prefetch): committed rows per request
+    q_ref,  # [block_q, Dp] query rows of one (request, kv head): row t*g + j is query t's j-th head of the group
+    k_ref,  # [block_kv, Dp] one kv tile of the cache
+    v_ref,  # [block_kv, Dp]
+    bits_ref,  # [block_q, W] int32 ancestor bits of each query row's node
+    o_ref,  # [block_q, Dp] out
+    m_ref,  # [block_q, 128] fp32 scratch: running max (lane-broadcast)
+    l_ref,  # [block_q, 128] fp32 scratch: running denominator
+    acc_ref,  # [block_q, Dp] fp32 scratch: running numerator
+    *, scale, t, words, g, window,
+):
     """Grid (B, Hkv, q tiles, kv tiles); the kv axis is sequential with the softmax state in VMEM scratch."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
@@ -243,8 +253,17 @@ def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv,
     )(lens, qr, kf, vf, bits)
 
 
-def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, bits_ref, acc_out, m_out, l_out, *, scale, t, g, window, block_kv,
-                splits):
+def _gpu_kernel(
+    lens_ref,  # [B] int32 committed rows per request
+    q_ref,  # [block_q, D] query rows of one (request, kv head)
+    k_ref,  # [S, D] the request's cache for this kv head (tiles read with pl.ds)
+    v_ref,  # [S, D]
+    bits_ref,  # [W, block_q] int32 ancestor bits, transposed (one word row per 32 tree nodes)
+    acc_out,  # [block_q, D] out fp32: this split's unnormalised numerator
+    m_out,  # [block_q] out fp32: this split's running max
+    l_out,  # [block_q] out fp32: this split's denominator
+    *, scale, t, g, window, block_kv, splits,
+):
     """Grid (B, Hkv, q tiles, splits); each program loops over its share of the needed kv tiles."""
     b, i, sp = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length = lens_ref[b]

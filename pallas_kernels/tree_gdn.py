@@ -70,7 +70,19 @@ def _dot(a, b, contract=((1,), (0,))):
     return jax.lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _tree_gdn_kernel(q_ref, k_ref, v_ref, gc_ref, gr_ref, b_ref, s_ref, m_ref, o_ref, u_ref, gp_ref):
+def _tree_gdn_kernel(
+    q_ref,  # [N, dk] one (request, value head)'s queries (its q/k head: value head // rep)
+    k_ref,  # [N, dk] keys
+    v_ref,  # [N, dv] values
+    gc_ref,  # [N, 1] log-decay per node (column form)
+    gr_ref,  # [1, N] the same, row form
+    b_ref,  # [N, 1] beta (write strength) per node
+    s_ref,  # [dk, dv] the committed recurrent state
+    m_ref,  # [N, N] f32 0/1 ancestor-or-self mask of the request's tree
+    o_ref,  # [N, dv] out: the mixer output per node
+    u_ref,  # [N, dv] out, fp32: the WY pseudo-values (the commit rebuilds an accepted node's state from them)
+    gp_ref,  # [N, 1] out, fp32: path-cumulative log-decay per node
+):
     n, dk = q_ref.shape
     q = l2norm(q_ref[...]) * dk**-0.5  # [N, dk]
     k = l2norm(k_ref[...])

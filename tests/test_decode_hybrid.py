@@ -26,6 +26,9 @@ def ckpts(tmp_path_factory):
     hf.save_pretrained(root / "target")
     dom, _, _ = tiny_domino(shift_label=False, seed=6)
     dom.save_pretrained(root / "drafter")
+    cfg = json.loads((root / "drafter" / "config.json").read_text())  # a random drafter, declared for this target
+    cfg["num_target_layers"] = hf.config.num_hidden_layers
+    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
     target = api.load_model(root / "target")
     draft = api.load_model(root / "drafter")
     assert target.kind == "qwen3_5" and draft.kind == "drafter"
