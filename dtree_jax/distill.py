@@ -185,7 +185,7 @@ def _atomic_savez(path: pathlib.Path, **arrays) -> None:
 
 
 def generate_shards(
-    target,  # decode.Model
+    target,  # api.Model
     prompts: Sequence[Sequence[int]],
     out: str | pathlib.Path,
     *,

@@ -1,6 +1,6 @@
 """All decoding methods side by side in one process, on the same prompts and the same models.
 
-    python experiments/bench_decode.py                      # the shipped pair, held-out stdlib prompts
+    python experiments/bench_decode.py                      # the tiny pair, held-out stdlib prompts
     python experiments/bench_decode.py --budgets 8,16,32,64 --batch 4
 
 Reports, per method: tau (mean tokens per round), tokens/s, speedup over ``ar``, and target forward passes
