@@ -46,6 +46,11 @@ class Model:
     impl: Any = None  # a TargetModel implementation replacing the kind's module
 
     @property
+    def embedding_shape(self) -> tuple[int, int]:
+        """``(V, H)`` of the target's embedding table (through the protocol, for any implementation)."""
+        return tuple(jnp.shape(self.module.embed_table(self.params)))
+
+    @property
     def module(self):
         if self.impl is not None:
             return self.impl
@@ -73,7 +78,7 @@ def check_fit(target: Model, drafter: Model) -> None:
     target depth the drafter states (``num_target_layers``)."""
     if target.kind == "drafter":
         raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model")
-    vocab, hidden = jnp.shape(target.module.embed_table(target.params))
+    vocab, hidden = target.embedding_shape
     dcfg = drafter.cfg
     layers = getattr(target.cfg, "num_layers", None)
     problems = []
@@ -114,7 +119,7 @@ def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: i
     the knob to lower when it exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     n, cache_len = spec.num_nodes, spec.cache_len
-    vocab = jnp.shape(target.module.embed_table(target.params))[0]
+    vocab = target.embedding_shape[0]
     est = dict(
         params=nbytes(target.params) + (nbytes(drafter.params) if spec.drafter_cfg is not None else 0),
         cache=nbytes(jax.eval_shape(lambda: target.module.init_cache(spec.target_cfg, batch, cache_len))),
@@ -396,7 +401,7 @@ def generate(
         prompts = encode_prompts(target.path, prompts, chat=chat)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, and every prompt needs at least one token")
-    vocab = jnp.shape(target.module.embed_table(target.params))[0]
+    vocab = target.embedding_shape[0]
     for i, p in enumerate(prompts):
         check_token_ids(p, vocab, f"prompt {i}")
     if stop_ids is None:

@@ -34,6 +34,16 @@ def init_kv_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
     return KVCache(k=zeros(), v=zeros())
 
 
+def causal_prefill(forward, params, cfg, tokens: jax.Array, cache, taps: tuple[int, ...] = ()):
+    """The prompt pass of a KV-cache model: one causal ``forward`` of the right-padded ``tokens [B, P]`` from
+    row 0.  Outputs at padded positions are garbage, and their K/V rows are never committed (the caller's
+    ``lens = prompt_lens``), so no per-request end is needed."""
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
+    return forward(params, cfg, tokens, positions, cache, jnp.zeros((b,), jnp.int32), causal, taps)
+
+
 def compact_kv(cache, lens: jax.Array, path: jax.Array, num_emitted: jax.Array):
     """Moves the accepted tree entries to contiguous rows right after each request's prefix.
 

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.cache import compact_kv
+from dtree_jax.models.cache import causal_prefill, compact_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +58,7 @@ class NNXTarget:
 
     def prefill(self, params, cfg, tokens, cache, prompt_lens, taps=()):
         del prompt_lens  # rows past a prompt are never committed: the next round overwrites them
-        b, p = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
-        return self.forward(params, cfg, tokens, positions, cache, jnp.zeros((b,), jnp.int32), causal, taps)
+        return causal_prefill(self.forward, params, cfg, tokens, cache, taps)
 
     def commit(self, cfg, cache, lens, path, num_emitted):
         return compact_kv(cache, lens, path, num_emitted)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.cache import KVCache, compact_kv, init_kv_cache
+from dtree_jax.models.cache import KVCache, causal_prefill, compact_kv, init_kv_cache
 from dtree_jax.models.config import Qwen3Config
 from dtree_jax.models.layers import (
     LayerParams,
@@ -154,10 +154,7 @@ def prefill(
     cache)``; outputs at padded positions are garbage and the caller's ``lens = prompt_lens`` never covers
     their K/V rows."""
     del prompt_lens  # attention state needs no per-request end: padded rows are simply never committed
-    b, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    causal = jnp.broadcast_to(jnp.tri(p, dtype=bool), (b, p, p))
-    return forward(params, cfg, tokens, positions, cache, jnp.zeros((b,), jnp.int32), causal, taps)
+    return causal_prefill(forward, params, cfg, tokens, cache, taps)
 
 
 def commit(
