@@ -27,7 +27,7 @@ import numpy as np
 
 from dtree_jax import builders, loop
 from dtree_jax.cost import auto_budget, load_calibration
-from dtree_jax.models import MODEL_MODULES
+from dtree_jax.models import MODEL_MODULES, sharding
 
 METHODS = tuple(builders.REGISTRY)  # the method registry's names, "ar" first
 
@@ -114,23 +114,28 @@ def device_memory_bytes() -> int:
 
 
 def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8) -> dict:
-    """Estimates a generation's device memory before anything is compiled (the params already loaded, the
-    caches from their shapes, a round's logits, tree mask and attention scores) and raises a ValueError naming
+    """Estimates a generation's memory per device before anything is compiled (the params already loaded, the
+    caches from their shapes, a round's logits, tree mask and attention scores; each device's share under
+    ``spec.mesh``) and raises a ValueError naming
     the knob to lower when it exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    mesh = spec.mesh if spec.mesh is not None else sharding.make_mesh(devices=jax.devices()[:1])
+    nbytes = lambda tree, cfg: sharding.per_device_bytes(tree, mesh, cfg)  # noqa: E731  one device's share
     n, cache_len = spec.num_nodes, spec.cache_len
     vocab = target.embedding_shape[0]
+    rows = batch / sharding.axis_size(mesh, sharding.DATA)  # requests per device (an upper bound)
     est = dict(
-        params=nbytes(target.params) + (nbytes(drafter.params) if spec.drafter_cfg is not None else 0),
-        cache=nbytes(jax.eval_shape(lambda: target.module.init_cache(spec.target_cfg, batch, cache_len))),
-        logits=3 * batch * n * vocab * 4,  # target logits, their softmax, the drafter's block logits
-        tree=batch * n * n + 4 * batch * n * (cache_len + n) * getattr(spec.target_cfg, "num_heads", 1),
+        params=nbytes(target.params, target.cfg) + (
+            nbytes(drafter.params, drafter.cfg) if spec.drafter_cfg is not None else 0),
+        cache=nbytes(jax.eval_shape(lambda: target.module.init_cache(spec.target_cfg, batch, cache_len)),
+                     target.cfg),
+        logits=3 * rows * n * vocab * 4,  # target logits, their softmax, the drafter's block logits
+        tree=rows * n * n + 4 * rows * n * (cache_len + n) * getattr(spec.target_cfg, "num_heads", 1),
     )
     if spec.drafter_cfg is not None:
         from dtree_jax.models import drafter as drafter_module
 
         est["cache"] += nbytes(jax.eval_shape(
-            lambda: drafter_module.init_drafter_cache(spec.drafter_cfg, batch, cache_len)))
+            lambda: drafter_module.init_drafter_cache(spec.drafter_cfg, batch, cache_len)), drafter.cfg)
     limit = fraction * device_memory_bytes()
     if sum(est.values()) > limit:
         biggest = max(est, key=est.get)
@@ -148,20 +153,26 @@ def request_keys(seed: int, batch: int) -> jax.Array:  # [batch] keys
     return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(batch))
 
 
-def load_model(model) -> Model | None:
+def load_model(model, mesh=None) -> Model | None:
     """A ``Model`` from a checkpoint path (converted or HF directory, or a GGUF file: its converted copy in the
-    cache), a ``(kind, cfg, params)`` tuple, or a ``Model`` (returned as is); None stays None."""
-    if model is None or isinstance(model, Model):
-        return model
+    cache), a ``(kind, cfg, params)`` tuple, or a ``Model``; None stays None.  With a ``mesh`` (``Mesh``,
+    ``"data=2,model=4"`` or a dict; see ``models.sharding``) the params are placed on it with their table
+    shardings: a converted checkpoint is restored straight into its shards."""
+    mesh = sharding.as_mesh(mesh)
+    if model is None:
+        return None
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         from dtree_jax import convert
 
         path = convert.model_dir(model)
-        kind, cfg, params = convert.load_model(path)
+        kind, cfg, params = convert.load_model(path, mesh=mesh)
         return Model(kind, cfg, params, str(path), eos_ids(path))
     if isinstance(model, tuple) and len(model) == 3:
-        return Model(*model)
-    raise TypeError(f"expected a Model, a (kind, cfg, params) tuple or a checkpoint path, got {type(model).__name__}")
+        model = Model(*model)
+    if not isinstance(model, Model):
+        raise TypeError(f"expected a Model, a (kind, cfg, params) tuple or a checkpoint path, got "
+                        f"{type(model).__name__}")
+    return model if mesh is None else dataclasses.replace(model, params=sharding.place(model.params, mesh, model.cfg))
 
 
 def with_kernels(model: Model | None, attention_impl: str | None = None, kernel_platform: str | None = None):
@@ -203,8 +214,9 @@ def make_spec(
     top_k: int,
     top_p: float,
     cache_len: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> loop.Spec:
-    """Validates the knobs and returns the static description of a generation."""
+    """Validates the knobs and returns the static description of a generation (on ``mesh``, if given)."""
     record = builders.get_method(method)
     if record.drafts:
         if drafter is None:
@@ -241,6 +253,7 @@ def make_spec(
         stop_ids=tuple(int(s) for s in stop_ids),
         top_k=top_k,
         top_p=float(top_p),
+        mesh=mesh,
     )
     need = prompt_bucket + max_new_tokens + spec.draft_span
     if cache_len is None:
@@ -252,19 +265,43 @@ def make_spec(
 
 
 def trace_generation(target: Model, drafter: Model | None, method: str, *, batch: int = 1,
-                     prompt_bucket: int = 16, temperature: float = 0.0, **knobs) -> jax.stages.Traced:
+                     prompt_bucket: int = 16, temperature: float = 0.0, mesh=None, **knobs) -> jax.stages.Traced:
     """``generate_on_device`` (prefill + the while_loop) traced for ``batch`` prompts of one bucket, without
-    running it; params may be abstract (``abstract_params``).  ``.lower(lowering_platforms=("tpu",))`` then
-    cross-lowers the whole generation (give the configs a fixed ``kernel_platform`` to get that platform's
-    kernels: ``with_kernels``).  ``knobs`` go to ``make_spec`` (defaults: budget 8, k 4, 16 new tokens)."""
+    running it; params may be abstract (``abstract_params``; on a ``mesh`` they get the table's shardings).
+    ``.lower(lowering_platforms=("tpu",))`` then cross-lowers the whole generation (give the configs a fixed
+    ``kernel_platform`` to get that platform's kernels: ``with_kernels``); ``.lower().compile()`` compiles it
+    for this machine.  ``knobs`` go to ``make_spec`` (defaults: budget 8, k 4, 16 new tokens)."""
     knobs = dict(dict(budget=8, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=16, stop_ids=(),
                       top_k=0, top_p=1.0), **knobs)
-    spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, **knobs)
+    mesh = sharding.as_mesh(mesh)
+    spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, mesh=mesh, **knobs)
+    drafts = builders.get_method(method).drafts
+    tparams, dparams = target.params, drafter.params if drafts else None
     prompts = jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    dparams = drafter.params if builders.get_method(method).drafts else None
-    return loop.generate_on_device.trace(spec, target.params, dparams, prompts, lens, request_keys(0, batch),
-                                    jnp.float32(temperature))
+    key = request_keys(0, batch)
+    if mesh is not None:
+        with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        on_mesh = lambda tree, cfg: jax.tree.map(with_sharding, tree, sharding.shardings(tree, mesh, cfg))  # noqa: E731
+        tparams = on_mesh(tparams, target.cfg)
+        dparams = on_mesh(dparams, drafter.cfg) if drafts else None
+        prompts, lens = (with_sharding(x, _batch_sharding(mesh, x.shape)) for x in (prompts, lens))
+        key = sharding.put(key, _batch_sharding(mesh, key.shape))
+    with _mesh_context(mesh):
+        return loop.generate_on_device.trace(spec, tparams, dparams, prompts, lens, key, jnp.float32(temperature))
+
+
+def _batch_sharding(mesh, shape) -> jax.sharding.NamedSharding:
+    """Requests over ``data`` (when it divides the batch), the rest replicated."""
+    axes = ("batch",) + (None,) * (len(shape) - 1)
+    return jax.sharding.NamedSharding(mesh, sharding.partition_spec(axes, tuple(shape), mesh))
+
+
+def _mesh_context(mesh):
+    """``jax.set_mesh(mesh)`` (the Pallas kernels read it while tracing), or nothing without a mesh."""
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 
@@ -290,7 +327,8 @@ def _compiled(args):
     if key in COMPILED:
         return COMPILED[key], 0.0
     t0 = time.perf_counter()
-    COMPILED[key] = loop.generate_on_device.lower(*args).compile()
+    with _mesh_context(args[0].mesh):
+        COMPILED[key] = loop.generate_on_device.lower(*args).compile()
     return COMPILED[key], time.perf_counter() - t0
 
 
@@ -372,6 +410,7 @@ def generate(
     attention_impl: str | None = None,
     kernel_platform: str | None = None,
     chat: bool = False,
+    mesh=None,
 ) -> Generation:
     """Generates continuations of ``prompts`` with ``method`` on device.
 
@@ -384,9 +423,12 @@ def generate(
     greedy; above 0 the target is sampled at every node (lossless).  ``stop_ids`` default to the target's
     EOS ids.  Prompts are right-padded to ``prompt_bucket`` (default: the longest rounded up to 16) so
     prompts of one bucket share one compilation.  ``attention_impl`` ("xla" | "pallas") and ``kernel_platform``
-    ("tpu" | "gpu" | "cpu") override both models' configs (``with_kernels``; None keeps them).
+    ("tpu" | "gpu" | "cpu") override both models' configs (``with_kernels``; None keeps them).  ``mesh``
+    (a ``Mesh`` with axes ``data`` / ``model``, ``"data=2,model=4"`` or a dict) runs the same generation sharded
+    (``models.sharding``): params, caches and the decode state placed on it, the same tokens as on one device.
     """
-    target, drafter = load_model(target), load_model(drafter)
+    mesh = sharding.as_mesh(mesh)
+    target, drafter = load_model(target, mesh), load_model(drafter, mesh)
     if target.kind == "drafter":
         raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model; pass it as "
                          "the drafter")
@@ -426,7 +468,7 @@ def generate(
     spec = make_spec(
         target, drafter, method, budget=budget, node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth,
         max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p,
-        cache_len=cache_len,
+        cache_len=cache_len, mesh=mesh,
     )
     check_memory(spec, target, drafter, len(prompts))
     padded = np.zeros((len(prompts), prompt_bucket), np.int32)
@@ -434,12 +476,16 @@ def generate(
         padded[i, : len(p)] = p
     lens = np.asarray([len(p) for p in prompts], np.int32)
     key = request_keys(seed, len(prompts))
+    inputs = [jnp.asarray(padded), jnp.asarray(lens), key]
+    if mesh is not None:
+        inputs = [sharding.put(x, _batch_sharding(mesh, x.shape)) for x in inputs]
     temp = jnp.float32(temperature)
     dparams = drafter.params if spec.record.drafts else None
-    args = (spec, target.params, dparams, jnp.asarray(padded), jnp.asarray(lens), key, temp)
+    args = (spec, target.params, dparams, *inputs, temp)
     stage_seconds = round_trees = None
     if instrument:
-        state, stages, round_trees, compile_seconds = _run_instrumented(*args)
+        with _mesh_context(mesh):
+            state, stages, round_trees, compile_seconds = _run_instrumented(*args)
         seconds = sum(sum(v) for v in stages.values())
         stage_seconds = {k: float(np.mean(v)) if v else 0.0 for k, v in stages.items()}
     else:
@@ -447,8 +493,8 @@ def generate(
         t1 = time.perf_counter()
         state = jax.block_until_ready(compiled(*args[1:]))
         seconds = time.perf_counter() - t1
-    out, out_len = np.asarray(state.out), np.asarray(state.out_len)
-    rounds, reasons = np.asarray(state.rounds), np.asarray(state.stop_reason)
+    out, out_len = sharding.to_host(state.out), sharding.to_host(state.out_len)
+    rounds, reasons = sharding.to_host(state.rounds), sharding.to_host(state.stop_reason)
     tokens, stats = [], []
     for i in range(len(prompts)):
         toks = out[i, : out_len[i]].tolist()

@@ -570,10 +570,11 @@ def _read_meta(path: Path) -> dict:
         raise ValueError(f"{file}: not a converted dtree_jax model ({type(e).__name__}: {e})") from e
 
 
-def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, Any]:
+def load_converted(path: str | Path, shardings: Any = None, mesh: Any = None) -> tuple[str, Any, Any]:
     """Restores a converted model directory (``out/target`` or ``out/drafter``): ``(kind, cfg, params)``.
 
     ``shardings``: one ``jax.sharding.Sharding`` for every leaf, or a pytree of them matching the params;
+    ``mesh``: the ``models.sharding`` table's shardings on that mesh (each device reads only its shards);
     default: the first device.
     """
     import orbax.checkpoint as ocp
@@ -583,6 +584,10 @@ def load_converted(path: str | Path, shardings: Any = None) -> tuple[str, Any, A
     module = model_module(meta["kind"])
     cfg = _config_from_hf(module, read_config(path), path / "config.json", meta["dtype"])
     abstract = module.abstract_params(cfg, jnp.dtype(meta["dtype"]))
+    if mesh is not None:
+        from dtree_jax.models import sharding
+
+        shardings = sharding.shardings(abstract, mesh, cfg)
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
@@ -625,15 +630,18 @@ def model_dir(path: str | Path, *, progress: bool = True) -> Path:
     return out / "target"
 
 
-def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
+def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[str, Any, Any]:
     """``(kind, cfg, params)`` from a converted model directory, an HF directory (converted in memory) or a
     GGUF file (converted once into the cache, see ``model_dir``).
 
     ``dtype`` None keeps the converted dtype (HF: the config's dtype); otherwise leaves are cast to it.
+    ``mesh`` (a ``jax.sharding.Mesh``): params placed with the ``models.sharding`` table's shardings; a converted
+    directory is restored straight into its shards, an HF directory is read on the host and placed leaf by
+    leaf (one host copy, never one per device).
     """
     path = model_dir(path)
     if (path / META_FILE).is_file():
-        kind, cfg, params = load_converted(path)
+        kind, cfg, params = load_converted(path, mesh=mesh)
         if dtype is not None:
             module = model_module(kind)
             abstract = module.abstract_params(cfg, _dtype(dtype, {}))
@@ -641,7 +649,13 @@ def load_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
             cfg = _config_from_hf(module, read_config(path), path / "config.json", _dtype(dtype, {}))
         return kind, cfg, params
     if (path / "config.json").is_file():
-        return load_hf(path, dtype)
+        if mesh is None:
+            return load_hf(path, dtype)
+        from dtree_jax.models import sharding
+
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            kind, cfg, params = load_hf(path, dtype)
+        return kind, cfg, sharding.place(params, mesh, cfg)
     roles = [r for r in ("target", "drafter") if (path / r / META_FILE).is_file()]
     if roles:
         raise ValueError(f"{path}: a conversion output; pass {' or '.join(str(path / r) for r in roles)}")

@@ -7,6 +7,10 @@ the chain methods the drafter's greedy block, the tree methods a best-first tree
 of the same bucket reuses the compiled loop.  The drafter's context length always equals the target's
 committed length ``lens``: the root is the last committed token, whose features are not known until it is
 verified.  ``dtree_jax.api`` builds a ``Spec`` and calls ``generate_on_device``.
+
+Under a mesh (``Spec.mesh``) nothing here changes but ``constrain_state``: the caller places the params on the
+mesh (``models.sharding.place``) and traces inside ``jax.set_mesh(spec.mesh)``, which the Pallas kernels read to
+run per shard.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 
 from dtree_jax import builders
 from dtree_jax.models import drafter as drafter_module
+from dtree_jax.models import sharding
 from dtree_jax.tree import Tree, chain_tree
 from dtree_jax.verify import accept_sampled, sample_tokens
 
@@ -43,6 +48,7 @@ class Spec:
     stop_ids: tuple[int, ...]
     top_k: int
     top_p: float
+    mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to models.sharding's table
 
     @property
     def drafter(self):
@@ -84,6 +90,17 @@ class DecodeState:
     rounds: jax.Array  # [B] rounds run while active
     step: jax.Array  # [] round counter
     key: jax.Array  # [B] one random stream per request
+
+
+def constrain_state(spec: Spec, state: DecodeState) -> DecodeState:
+    """Pins the caches and per-request vectors to their shardings on ``spec.mesh`` (``models.sharding``), so
+    the while loop's carry keeps one layout; the identity without a mesh."""
+    if spec.mesh is None:
+        return state
+    cache = sharding.constrain(state.cache, spec.mesh, spec.target_cfg)
+    dcache = sharding.constrain(state.dcache, spec.mesh, spec.drafter_cfg)
+    rest = sharding.constrain(dataclasses.replace(state, cache=None, dcache=None), spec.mesh)
+    return dataclasses.replace(rest, cache=cache, dcache=dcache)
 
 
 def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B] -> ([B], [B])
@@ -159,7 +176,7 @@ def accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state: 
     last = jnp.take_along_axis(acc.emitted, jnp.maximum(num - 1, 0)[:, None], -1)[:, 0]
     lens = state.lens + num
     reason = capacity_rule(spec, reason, lens)
-    return DecodeState(
+    return constrain_state(spec, DecodeState(
         cache=cache,
         dcache=dcache,
         lens=lens,
@@ -171,7 +188,7 @@ def accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state: 
         rounds=state.rounds + active.astype(jnp.int32),
         step=state.step + 1,
         key=key,
-    )
+    ))
 
 
 def stop_rule(
@@ -226,7 +243,7 @@ def prefill(
     the prompts' feature taps."""
     b, p = prompts.shape
     tg = spec.target
-    cache = tg.init_cache(spec.target_cfg, b, spec.cache_len)
+    cache = sharding.constrain(tg.init_cache(spec.target_cfg, b, spec.cache_len), spec.mesh, spec.target_cfg)
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, feats, cache = tg.prefill(tparams, spec.target_cfg, prompts, cache, prompt_lens, spec.taps)
@@ -236,12 +253,13 @@ def prefill(
     dcache = None
     if spec.drafter_cfg is not None:
         dcache = spec.drafter.init_drafter_cache(spec.drafter_cfg, b, spec.cache_len)
+        dcache = sharding.constrain(dcache, spec.mesh, spec.drafter_cfg)
         dcache = spec.drafter.append_context(dparams, spec.drafter_cfg, dcache, zeros, feats, positions)
     out = jnp.full((b, spec.max_new_tokens + spec.num_nodes), -1, jnp.int32).at[:, 0].set(root)
     ones = jnp.ones((b,), jnp.int32)
     _, reason = stop_rule(spec, root[:, None], ones, zeros, ones > 0)
     reason = capacity_rule(spec, reason, prompt_lens)
-    return DecodeState(
+    return constrain_state(spec, DecodeState(
         cache=cache,
         dcache=dcache,
         lens=prompt_lens,
@@ -253,7 +271,7 @@ def prefill(
         rounds=jnp.zeros((b,), jnp.int32),
         step=jnp.int32(0),
         key=key,
-    )
+    ))
 
 
 def generate_loop(spec: Spec, tparams, dparams, prompts, prompt_lens, key, temperature) -> DecodeState:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dtree_jax.models.domino_head import DominoHead, correction_hidden, corrected_logits, gru_step
+from dtree_jax.models import sharding
 
 
 @jax.tree_util.register_dataclass
@@ -46,8 +47,12 @@ class DraftRound:
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:  # [..., V] -> ([..., k], [..., k] int32)
     """Stable ``lax.top_k`` behind an optimisation barrier: when only slices of a top-k over a large
-    vocabulary are used later, XLA:CPU otherwise rewrites it into a full sort (~100x slower at V = 151936)."""
-    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    vocabulary are used later, XLA:CPU otherwise rewrites it into a full sort (~100x slower at V = 151936).
+    Under a mesh the rows are gathered first (``sharding.whole_last_axis``)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    else:
+        vals, idx = jax.lax.top_k(sharding.whole_last_axis(x), k)
     return vals, idx.astype(jnp.int32)
 
 

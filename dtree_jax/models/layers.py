@@ -14,6 +14,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from dtree_jax.models import sharding
 from dtree_jax.models.config import Llama3RoPE, Qwen3Config
 from dtree_jax.models.kernels import attention_kwargs
 from pallas_kernels.tree_attention import reference_tree_attention
@@ -211,15 +214,28 @@ def attend(
     window: int | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
     """Tree attention dispatched on ``cfg.attention_impl`` and ``cfg.kernel_platform`` by
-    ``models.kernels.attention_kwargs`` (the Pallas kernel is imported lazily); ``window`` as in
-    ``reference_tree_attention`` (sliding-window drafter layers)."""
+    ``models.kernels.attention_kwargs`` (the Pallas kernel is imported lazily; under a mesh it runs per shard,
+    ``sharding.head_plan``); ``window`` as in ``reference_tree_attention`` (sliding-window drafter layers)."""
     scale = cfg.head_dim**-0.5
     kw = attention_kwargs(cfg)
-    if kw["backend"] != "xla":
-        from pallas_kernels.tree_attention import tree_attention
+    if kw["backend"] == "xla":
+        return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
+    from pallas_kernels.tree_attention import tree_attention
 
-        return tree_attention(q, k, v, lens, local_mask, scale=scale, window=window, **kw)
-    return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
+    kernel = lambda q, k, v, lens, mask: tree_attention(q, k, v, lens, mask, scale=scale, window=window, **kw)
+    mesh = sharding.context_mesh()
+    if mesh is None:
+        return kernel(q, k, v, lens, local_mask)
+    data, qh, kvh, select = sharding.head_plan(mesh, q.shape[0], q.shape[2], k.shape[2])
+
+    def local(q, k, v, lens, mask):  # one shard: its requests and query heads, their kv heads
+        if select:
+            k, v = (sharding.select_kv_head(x, k.shape[2], axis=2) for x in (k, v))
+        return kernel(q, k, v, lens, mask)
+
+    heads = lambda h: P(data, None, h, None)  # noqa: E731  [B, T|S, heads, D]
+    return sharding.per_shard(local, (heads(qh), heads(kvh), heads(kvh), P(data), P(data)), heads(qh))(
+        q, k, v, lens, local_mask)
 
 
 def decoder_layer(

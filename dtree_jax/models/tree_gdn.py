@@ -35,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
+from dtree_jax.models import sharding
 from dtree_jax.models.gdn import conv_taps, gated_rms_norm, gdn_gates, split_qkv, unit_lower_solve
 from dtree_jax.tree import ancestor_mask, check_parents
 from pallas_kernels.delta_rule import fp32_einsum, normalize_qk
@@ -187,7 +190,23 @@ def tree_gdn_pallas(
     """``tree_gdn_wy`` through the Pallas kernel (``pallas_kernels.tree_gdn.tree_gdn``; its dtype contract)."""
     _check_tree_inputs(q, k, v, g, beta, state0, parents)
     mask = ancestor_mask(parents)
-    o, u, g_path = tree_gdn(q, k, v, g, beta, state0, mask, interpret=interpret)
+    kernel = functools.partial(tree_gdn, interpret=interpret)
+    mesh = sharding.context_mesh()
+    if mesh is None:
+        o, u, g_path = kernel(q, k, v, g, beta, state0, mask)
+    else:  # per shard: its requests and value heads, their q/k heads (as attention's kv heads)
+        data, vh, kh, select = sharding.head_plan(mesh, q.shape[0], v.shape[2], q.shape[2])
+
+        def local(q, k, *rest):
+            if select:
+                q, k = (sharding.select_kv_head(x, q.shape[2], axis=2) for x in (q, k))
+            return kernel(q, k, *rest)
+
+        nodes = lambda h: P(data, None, h, None)  # noqa: E731  [B, N, heads, d]
+        gates = P(data, None, vh)  # [B, N, Hv]
+        o, u, g_path = sharding.per_shard(
+            local, (nodes(kh), nodes(kh), nodes(vh), gates, gates, P(data, vh), P(data)),
+            (nodes(vh), nodes(vh), gates))(q, k, v, g, beta, state0, mask)
     _, kn = normalize_qk(q, k, v.shape[-2])
     return o, TreeGDNStash(k=kn, u=u, g_path=g_path, mask=mask)
 

@@ -1,0 +1,332 @@
+"""Decoding over a device mesh: one table of logical axes for every param, cache and decode-state leaf, the rules
+that map them onto the mesh axes ``("data", "model")``, and the per-shard form of the Pallas kernels.
+
+Nothing else changes under a mesh.  Params, caches and the decode state are placed (``place``) or constrained
+(``constrain``) with the ``NamedSharding`` the table gives them, and XLA's SPMD partitioner splits every
+computation accordingly: attention / GDN heads and MLP columns over ``model``, the vocabulary of the embedding
+table and the output head over ``model``, the batch over ``data``.  A dimension that an axis does not divide is
+replicated over it (KV heads when ``model`` exceeds them, a batch of 1 on ``data = 2``), as serving engines do.
+The partitioner cannot split a Pallas call, so the kernels run per shard under ``shard_map``
+(``head_plan``): batch over ``data``, heads over ``model``.  Those read the mesh from the tracing context, which
+``dtree_jax.api`` sets (``jax.set_mesh``) around every trace of a sharded generation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+MESH_AXES = (DATA, MODEL)
+
+# logical axis -> mesh axis
+RULES: dict[str, str] = {
+    "batch": DATA,
+    "heads": MODEL,  # attention query heads
+    "kv_heads": MODEL,  # attention key/value heads
+    "v_heads": MODEL,  # Gated DeltaNet value heads
+    "gdn_channels": MODEL,  # the GDN's [q | k | v] conv channels (depthwise, so split anywhere)
+    "mlp": MODEL,  # MLP hidden columns (dense and per expert)
+    "vocab": MODEL,  # embedding-table rows and output-head columns
+    "taps": MODEL,  # the drafter's concatenated target features (its fc's input rows)
+}
+
+# Leaf name (its dataclass field) -> rank -> logical axes.  Every leaf of our targets (``Qwen3Params``,
+# ``Qwen35Params``), the drafter (``DrafterParams`` with its ``DominoHead``), their caches (``KVCache``,
+# ``HybridCache``) and ``loop.DecodeState`` is listed (tests/test_sharding.py checks it); ``None`` = replicated.
+_R1, _R2 = {1: (None,)}, {2: (None, None)}
+LEAF_AXES: dict[str, dict[int, tuple]] = {
+    # embeddings and the output head
+    "embed": {2: ("vocab", None)},  # [V, H]
+    "lm_head": {2: (None, "vocab")},  # [H, V]
+    # attention (dense layers, the hybrid's full-attention layers, the drafter)
+    "wq": {2: (None, "heads")},  # [H, Hq*D] (hybrid: [H, Hq*2*D], per head [q | gate])
+    "wk": {2: (None, "kv_heads")},  # [H, Hkv*D]
+    "wv": {2: (None, "kv_heads")},
+    "wo": {2: ("heads", None)},  # [Hq*D, H]
+    "bq": {1: ("heads",)},
+    "bk": {1: ("kv_heads",)},
+    "bv": {1: ("kv_heads",)},
+    # MLPs: [H, I] / [I, H], MoE experts [E, H, I] / [E, I, H]
+    "w_gate": {2: (None, "mlp"), 3: (None, None, "mlp")},
+    "w_up": {2: (None, "mlp"), 3: (None, None, "mlp")},
+    "w_down": {2: ("mlp", None), 3: (None, "mlp", None)},
+    "router": _R2,  # [H, E]
+    "shared_gate": _R2,  # [H, 1]
+    # Gated DeltaNet
+    "w_qkv": {2: (None, "gdn_channels")},  # [H, C]
+    "conv_w": {2: ("gdn_channels", None)},  # [C, Kc]
+    "w_z": {2: (None, "v_heads")},  # [H, Hv*dv]
+    "w_b": {2: (None, "v_heads")},  # [H, Hv]
+    "w_a": {2: (None, "v_heads")},
+    "A_log": {1: ("v_heads",)},
+    "dt_bias": {1: ("v_heads",)},
+    "w_out": {2: ("v_heads", None)},  # [Hv*dv, H]
+    # norms
+    **{name: _R1 for name in ("attn_norm", "mlp_norm", "final_norm", "hidden_norm", "norm", "q_norm", "k_norm")},
+    # the drafter: context projection and the Domino GRU head
+    "fc": {2: ("taps", None)},  # [n_feat*H, H]
+    "w_ih": _R2,  # [H, 3G]
+    "w_hh": _R2,  # [G, 3G]
+    "w1": _R2,  # [H+G, E]
+    "w2": {2: ("vocab", None)},  # [V, E]
+    # caches
+    "k": {4: ("batch", None, "kv_heads", None)},  # [B, S, Hkv, D]
+    "v": {4: ("batch", None, "kv_heads", None)},
+    "conv": {3: ("batch", None, "gdn_channels")},  # [B, Kc-1, C]
+    "state": {4: ("batch", "v_heads", None, None)},  # [B, Hv, dk, dv]
+    # the decode state
+    **{name: {1: ("batch",)} for name in ("lens", "root", "out_len", "done", "stop_reason", "rounds", "key")},
+    "out": {2: ("batch", None)},  # [B, max_new + N]
+    "step": {0: ()},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Meshes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A ``(data, model)`` mesh over the first ``data * model`` devices (all processes' devices in a
+    multi-host run), with automatic (partitioner-propagated) axes."""
+    for name, n in ((DATA, data), (MODEL, model)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"mesh axis {name!r} needs a positive integer size, got {n!r}")
+    devices = jax.devices() if devices is None else list(devices)
+    if data * model > len(devices):
+        raise ValueError(f"a data={data} x model={model} mesh needs {data * model} devices; "
+                         f"{len(devices)} are visible")
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, model), MESH_AXES, axis_types=auto, devices=devices[: data * model])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (missing axes are 1)."""
+    sizes = {DATA: 1, MODEL: 1}
+    seen = set()
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        m = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
+        if not m or m.group(1) not in sizes or m.group(1) in seen or int(m.group(2)) < 1:
+            raise ValueError(f"bad mesh {text!r}: expected axis=size pairs over {MESH_AXES}, "
+                             "each at most once, e.g. data=2,model=4")
+        seen.add(m.group(1))
+        sizes[m.group(1)] = int(m.group(2))
+    if not seen:
+        raise ValueError(f"bad mesh {text!r}: expected e.g. data=2,model=4")
+    return sizes
+
+
+def as_mesh(mesh) -> jax.sharding.Mesh | None:
+    """``mesh`` as a ``Mesh``: a ``Mesh`` (its axes must be ``data`` / ``model``), a ``{"data": 2, "model": 4}``
+    dict, a ``"data=2,model=4"`` string, or None (single device)."""
+    if mesh is None or isinstance(mesh, jax.sharding.Mesh):
+        if mesh is not None and not set(mesh.axis_names) <= set(MESH_AXES):
+            raise ValueError(f"mesh axes must be named from {MESH_AXES}, got {mesh.axis_names}")
+        return mesh
+    sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
+    if not set(sizes) <= set(MESH_AXES):
+        raise ValueError(f"mesh axes must be named from {MESH_AXES}, got {sorted(sizes)}")
+    return make_mesh(sizes.get(DATA, 1), sizes.get(MODEL, 1))
+
+
+def axis_size(mesh, name: str) -> int:
+    """Size of axis ``name`` of a ``Mesh`` / ``AbstractMesh`` (1 when the mesh has no such axis)."""
+    return int(dict(mesh.shape).get(name, 1))
+
+
+def context_mesh():
+    """The abstract mesh set for tracing (``jax.set_mesh``), or None when there is none or it has one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table applied to pytrees
+# ----------------------------------------------------------------------------------------------------------
+
+
+def units(cfg) -> dict[str, int]:
+    """How many whole units a logical axis counts for ``cfg`` (a target's config, or a drafter's: its
+    backbone's): heads must be split whole, so ``model`` shards them only if it divides their number."""
+    cfg = getattr(cfg, "model", cfg)
+    got = dict(heads=getattr(cfg, "num_heads", None), kv_heads=getattr(cfg, "num_kv_heads", None),
+               v_heads=getattr(cfg, "linear_num_v_heads", None))
+    return {k: int(v) for k, v in got.items() if v}
+
+
+def leaf_name(path) -> str | None:
+    """The last attribute name on a pytree path (the dataclass field holding the leaf)."""
+    for entry in reversed(path):
+        if isinstance(entry, jax.tree_util.GetAttrKey):
+            return entry.name
+        if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
+            return entry.key
+    return None
+
+
+def logical_axes(path, ndim: int) -> tuple | None:
+    """The table's logical axes for the leaf at ``path`` of rank ``ndim``; None for a leaf it does not know
+    (a user's own target), which is then replicated."""
+    return LEAF_AXES.get(leaf_name(path) or "", {}).get(ndim)
+
+
+def partition_spec(axes: tuple | None, shape: tuple[int, ...], mesh, unit_counts: Mapping[str, int] = {}) -> P:
+    """``PartitionSpec`` for one leaf: each logical axis on its mesh axis (``RULES``) when that axis has more
+    than one device and divides both the dimension and the axis's unit count; otherwise replicated."""
+    if axes is None:
+        return P()
+    out, used = [], set()
+    for dim, axis in zip(shape, axes):
+        name = RULES.get(axis) if axis else None
+        n = axis_size(mesh, name) if name else 1
+        whole = unit_counts.get(axis, dim)
+        if name and name not in used and n > 1 and dim % n == 0 and whole % n == 0:
+            out.append(name)
+            used.add(name)
+        else:
+            out.append(None)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def shardings(tree, mesh, cfg=None):
+    """The ``NamedSharding`` of every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s) on ``mesh``: the
+    table's logical axes through ``partition_spec``, with ``cfg``'s head counts (``units``)."""
+    counts = units(cfg) if cfg is not None else {}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(
+            mesh, partition_spec(logical_axes(path, len(x.shape)), tuple(x.shape), mesh, counts)), tree)
+
+
+def unknown_leaves(tree) -> list[str]:
+    """Paths of the leaves the table has no entry for (they would be replicated)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, x in flat if logical_axes(p, len(x.shape)) is None]
+
+
+def place(tree, mesh, cfg=None):
+    """``tree``'s leaves on ``mesh`` with their table shardings, one leaf at a time; works across processes
+    (every process passes the same full values, each keeps its own shards)."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(put, tree, shardings(tree, mesh, cfg))
+
+
+def put(x, s: jax.sharding.Sharding) -> jax.Array:
+    """``x`` (an array, or typed PRNG keys) with sharding ``s``, built shard by shard from its host value, so
+    it also works when ``s`` spans several processes (each passes the same ``x``)."""
+    if isinstance(x, jax.Array) and x.sharding == s:
+        return x
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data = put(jax.random.key_data(x), NamedSharding(s.mesh, P(*s.spec, None)))
+        return jax.random.wrap_key_data(data, impl=impl)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+
+def constrain(tree, mesh, cfg=None):
+    """``with_sharding_constraint`` of every leaf to its table sharding (inside ``jit``); identity without a
+    mesh."""
+    if mesh is None or tree is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, cfg))
+
+
+def whole_last_axis(x: jax.Array) -> jax.Array:
+    """Inside a trace under a mesh context: ``x`` with its last axis gathered (the other axes as the
+    partitioner likes).  For a top-k over the vocabulary of logits the output head left split over it (XLA:CPU
+    cannot partition a top-k); the identity without a mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*([P.UNCONSTRAINED] * (x.ndim - 1)), None))
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-process sharded) array as one numpy array on this process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels per shard
+# ----------------------------------------------------------------------------------------------------------
+
+
+def head_plan(mesh, batch: int, q_heads: int, kv_heads: int) -> tuple[str | None, str | None, str | None, bool]:
+    """How a grouped-head kernel (query heads ``q_heads`` sharing ``kv_heads`` key/value heads, head ``h`` using
+    key head ``h * kv_heads // q_heads``) splits over ``mesh``: ``(batch axis, query-head axis, kv-head axis,
+    select)``.  KV heads split like the query heads when ``model`` divides them; when ``model`` is a multiple
+    of them they stay replicated (as the cache's table does) and each shard ``select``s the one it needs
+    (``select_kv_head``); otherwise heads are not split at all."""
+    data = DATA if axis_size(mesh, DATA) > 1 and batch % axis_size(mesh, DATA) == 0 else None
+    m = axis_size(mesh, MODEL)
+    if m > 1 and kv_heads % m == 0 and q_heads % m == 0:
+        return data, MODEL, MODEL, False
+    if m > 1 and m % kv_heads == 0 and q_heads % m == 0:
+        return data, MODEL, None, True
+    return data, None, None, False
+
+
+def select_kv_head(x: jax.Array, kv_heads: int, axis: int) -> jax.Array:
+    """Inside ``shard_map``: the one kv head (of all ``kv_heads`` on ``axis``) this ``model`` shard's query
+    heads use, as a size-1 axis."""
+    m = jax.lax.axis_size(MODEL)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL) * kv_heads // m, 1, axis=axis)
+
+
+def per_shard(fn, in_specs, out_specs):
+    """``fn`` under ``shard_map`` over the tracing context's mesh (``context_mesh``)."""
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several hosts
+# ----------------------------------------------------------------------------------------------------------
+
+CLUSTER_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
+
+
+def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
+    """``jax.distributed.initialize`` when the environment describes a multi-process run, before anything
+    touches a device: explicitly through ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0) with
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or a cluster JAX detects itself (Slurm, Open MPI, a Cloud TPU
+    pod slice: ``CLUSTER_VARIABLES`` naming more than one process).  Returns whether it initialised."""
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(k, "").isdigit()]
+        if missing:
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS is set, so {' and '.join(missing)} must be too "
+                             "(non-negative integers)")
+        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
+                                   int(env["JAX_PROCESS_ID"]))
+        return True
+    def several(value: str) -> bool:  # a process count above 1, or a list of more than one host
+        return int(value) > 1 if value.isdigit() else len(value.split(",")) > 1
+
+    if any(several(env[k]) for k in CLUSTER_VARIABLES if env.get(k)):
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def per_device_bytes(tree, mesh, cfg=None) -> int:
+    """Bytes one device holds of ``tree`` (arrays or ``ShapeDtypeStruct``s) under the table's shardings."""
+    return sum(math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings(tree, mesh, cfg))))
+
+
+__all__ = ["DATA", "MODEL", "MESH_AXES", "RULES", "LEAF_AXES", "make_mesh", "parse_mesh", "as_mesh", "axis_size",
+           "context_mesh", "units", "leaf_name", "logical_axes", "partition_spec", "shardings",
+           "unknown_leaves", "place", "put", "constrain", "whole_last_axis", "to_host", "head_plan", "select_kv_head", "per_shard",
+           "initialize_distributed", "per_device_bytes"]
