@@ -104,10 +104,10 @@ def check_token_ids(ids, vocab: int, what: str) -> None:
 
 
 def device_memory_bytes() -> int:
-    """Memory of the default device: its allocator's limit on accelerators, physical memory on CPU."""
+    """Memory of this process's first device: its allocator's limit on accelerators, physical memory on CPU."""
     import os
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

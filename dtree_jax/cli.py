@@ -114,25 +114,42 @@ def _print_result(args, prompts, chat: bool, result, baseline, tokenizer) -> Non
 
 
 def run_generate(args) -> int:
+    """``generate``: on every host of a multi-host run the same command (``models.sharding
+    .initialize_distributed``), the output printed by process 0 alone."""
+    import jax
+
     from dtree_jax import api
+    from dtree_jax.models import sharding
     from dtree_jax.text import load_tokenizer
 
+    sharding.initialize_distributed()
     compilation_cache()
+    mesh = sharding.as_mesh(args.mesh)
     target, drafter, main_pair = _models(args)
     if args.chat is None:
         args.chat = main_pair and args.prompt_ids is None
     prompts, chat = _read_prompts(args)
     knobs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl,
-                 kernel_platform=args.kernel_platform, chat=chat)
+                 kernel_platform=args.kernel_platform, chat=chat, mesh=mesh)
     budget = args.budget if args.budget is not None else ("auto" if drafter is not None else 32)
     result = api.generate(target, prompts, args.method, drafter, budget=budget, node_topk=args.node_topk,
                           corr_topm=args.corr_topm, **knobs)
     compare = main_pair if args.compare_ar is None else args.compare_ar
     baseline = api.generate(target, prompts, "ar", **knobs) if compare and drafter is not None else None
-    tokenizer = load_tokenizer(target.path) if target.path else None
-    _print_result(args, prompts, chat, result, baseline, tokenizer)
+    if jax.process_index() == 0:
+        tokenizer = load_tokenizer(target.path) if target.path else None
+        _print_result(args, prompts, chat, result, baseline, tokenizer)
     return 0
+
+
+def _mesh_arg(value: str) -> dict:
+    from dtree_jax.models.sharding import parse_mesh
+
+    try:
+        return parse_mesh(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _budget_arg(value: str):
@@ -185,6 +202,10 @@ def add_generate(sub) -> None:
     p.add_argument("--kernel-platform", choices=("tpu", "gpu", "cpu"), default=None,
                    help="whose kernels --attention-impl pallas runs: tpu (Mosaic), gpu (Triton), cpu (interpret "
                         "mode) (default: the platform this runs on)")
+    p.add_argument("--mesh", type=_mesh_arg, default=None,
+                   help="split the generation over a device mesh, e.g. data=2,model=4: requests over data, "
+                        "heads / MLP columns / vocabulary over model (every process's devices in a multi-host "
+                        "run; default: one device)")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ar on the same prompts and report the speedup (default: on for the main pair)")
     src = p.add_mutually_exclusive_group()

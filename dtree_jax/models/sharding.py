@@ -101,8 +101,10 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> jax.sharding.Mesh:
             raise ValueError(f"mesh axis {name!r} needs a positive integer size, got {n!r}")
     devices = jax.devices() if devices is None else list(devices)
     if data * model > len(devices):
-        raise ValueError(f"a data={data} x model={model} mesh needs {data * model} devices; "
-                         f"{len(devices)} are visible")
+        visible = f"{len(devices)} {'is' if len(devices) == 1 else 'are'} visible"
+        hint = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N host devices)"
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"a data={data} x model={model} mesh needs {data * model} devices; {visible}{hint}")
     auto = (jax.sharding.AxisType.Auto,) * 2
     return jax.make_mesh((data, model), MESH_AXES, axis_types=auto, devices=devices[: data * model])
 
@@ -303,6 +305,8 @@ def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
     touches a device: explicitly through ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0) with
     ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or a cluster JAX detects itself (Slurm, Open MPI, a Cloud TPU
     pod slice: ``CLUSTER_VARIABLES`` naming more than one process).  Returns whether it initialised."""
+    # CPU devices of different processes talk through gloo (accelerators ignore this option).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if env.get("JAX_COORDINATOR_ADDRESS"):
         missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(k, "").isdigit()]
         if missing:
