@@ -113,36 +113,45 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8) -> dict:
-    """Estimates a generation's memory per device before anything is compiled (the params already loaded, the
-    caches from their shapes, a round's logits, tree mask and attention scores; each device's share under
-    ``spec.mesh``) and raises a ValueError naming
-    the knob to lower when it exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
+def memory_estimate(spec: loop.Spec, target: Model, drafter: Model | None, batch: int) -> dict:
+    """A generation's memory per device in bytes, from shapes alone (params may be abstract): the params and
+    caches as the sharding table splits them over ``spec.mesh``, a round's logits (target, softmax, drafter
+    block) and tree mask + one layer's attention scores for each device's requests and heads."""
     mesh = spec.mesh if spec.mesh is not None else sharding.make_mesh(devices=jax.devices()[:1])
     nbytes = lambda tree, cfg: sharding.per_device_bytes(tree, mesh, cfg)  # noqa: E731  one device's share
     n, cache_len = spec.num_nodes, spec.cache_len
     vocab = target.embedding_shape[0]
-    rows = batch / sharding.axis_size(mesh, sharding.DATA)  # requests per device (an upper bound)
+    rows = -(-batch // sharding.axis_size(mesh, sharding.DATA))  # requests per device
+    heads = getattr(spec.target_cfg, "num_heads", 1)
+    model = sharding.axis_size(mesh, sharding.MODEL)
+    heads = heads // model if heads % model == 0 else heads
     est = dict(
         params=nbytes(target.params, target.cfg) + (
             nbytes(drafter.params, drafter.cfg) if spec.drafter_cfg is not None else 0),
         cache=nbytes(jax.eval_shape(lambda: target.module.init_cache(spec.target_cfg, batch, cache_len)),
                      target.cfg),
-        logits=3 * rows * n * vocab * 4,  # target logits, their softmax, the drafter's block logits
-        tree=rows * n * n + 4 * rows * n * (cache_len + n) * getattr(spec.target_cfg, "num_heads", 1),
+        logits=3 * rows * n * vocab * 4,
+        tree=rows * n * n + 4 * rows * n * (cache_len + n) * heads,
     )
     if spec.drafter_cfg is not None:
         from dtree_jax.models import drafter as drafter_module
 
         est["cache"] += nbytes(jax.eval_shape(
             lambda: drafter_module.init_drafter_cache(spec.drafter_cfg, batch, cache_len)), drafter.cfg)
+    return est
+
+
+def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8) -> dict:
+    """``memory_estimate`` before anything is compiled; raises a ValueError naming the knob to lower when it
+    exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
+    est = memory_estimate(spec, target, drafter, batch)
     limit = fraction * device_memory_bytes()
     if sum(est.values()) > limit:
         biggest = max(est, key=est.get)
-        knob = dict(params="a smaller model or dtype", cache="max_new_tokens, the prompt length or the batch",
+        knob = dict(params="a smaller model or dtype, or a mesh", cache="max_new_tokens, the prompt length or the batch",
                     logits="budget or the batch", tree="budget or the batch")[biggest]
         raise ValueError(
-            f"this generation needs about {sum(est.values()) / 2**30:.1f} GiB ({biggest}: "
+            f"this generation needs about {sum(est.values()) / 2**30:.1f} GiB per device ({biggest}: "
             f"{est[biggest] / 2**30:.1f} GiB) but the device has {limit / fraction / 2**30:.1f} GiB; lower {knob}")
     return est
 
@@ -274,6 +283,7 @@ def trace_generation(target: Model, drafter: Model | None, method: str, *, batch
     knobs = dict(dict(budget=8, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=16, stop_ids=(),
                       top_k=0, top_p=1.0), **knobs)
     mesh = sharding.as_mesh(mesh)
+    target, drafter = _for_mesh(target, mesh), _for_mesh(drafter, mesh)
     spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, mesh=mesh, **knobs)
     drafts = builders.get_method(method).drafts
     tparams, dparams = target.params, drafter.params if drafts else None
@@ -289,6 +299,13 @@ def trace_generation(target: Model, drafter: Model | None, method: str, *, batch
         key = sharding.put(key, _batch_sharding(mesh, key.shape))
     with _mesh_context(mesh):
         return loop.generate_on_device.trace(spec, tparams, dparams, prompts, lens, key, jnp.float32(temperature))
+
+
+def _for_mesh(model: Model | None, mesh) -> Model | None:
+    """``model`` with its config set up for ``mesh`` (``sharding.for_mesh``: the KV cache's head layout)."""
+    if model is None or mesh is None:
+        return model
+    return dataclasses.replace(model, cfg=sharding.for_mesh(model.cfg, mesh))
 
 
 def _batch_sharding(mesh, shape) -> jax.sharding.NamedSharding:
@@ -428,7 +445,7 @@ def generate(
     (``models.sharding``): params, caches and the decode state placed on it, the same tokens as on one device.
     """
     mesh = sharding.as_mesh(mesh)
-    target, drafter = load_model(target, mesh), load_model(drafter, mesh)
+    target, drafter = _for_mesh(load_model(target, mesh), mesh), _for_mesh(load_model(drafter, mesh), mesh)
     if target.kind == "drafter":
         raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model; pass it as "
                          "the drafter")

@@ -122,7 +122,7 @@ def run_generate(args) -> int:
     from dtree_jax.models import sharding
     from dtree_jax.text import load_tokenizer
 
-    sharding.initialize_distributed()
+    sharding.initialize_distributed(force=args.distributed)
     compilation_cache()
     mesh = sharding.as_mesh(args.mesh)
     target, drafter, main_pair = _models(args)
@@ -206,6 +206,9 @@ def add_generate(sub) -> None:
                    help="split the generation over a device mesh, e.g. data=2,model=4: requests over data, "
                         "heads / MLP columns / vocabulary over model (every process's devices in a multi-host "
                         "run; default: one device)")
+    p.add_argument("--distributed", action="store_true",
+                   help="initialise jax.distributed even when the environment does not say so (Cloud TPU pod "
+                        "VMs); run the same command on every host")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ar on the same prompts and report the speedup (default: on for the main pair)")
     src = p.add_mutually_exclusive_group()

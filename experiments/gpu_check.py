@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -183,7 +182,6 @@ def timing_grid(cfg: dict, interpret: bool, clock: Clock, stop_at: float, copy_g
                     row["sdpa_error"] = str(e)
                 rows.append(row)
                 print("  " + fmt_row(row))
-                del args
     return rows
 
 

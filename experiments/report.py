@@ -2,6 +2,7 @@
 
     python experiments/report.py            # the SmolLM2 pair (exp_smollm2_*.json)
     python experiments/report.py --pair tiny
+    python experiments/report.py --aot       # aot_real_shapes.json and bench_sharded.json only
 """
 
 from __future__ import annotations
@@ -51,11 +52,43 @@ def plot_training() -> None:
     fig.savefig(RESULTS / "train_smollm2_drafter.png", dpi=110)
 
 
+def aot_tables() -> None:
+    """The AOT compile / memory table (aot_real_shapes.json) and the sharded-run overhead (bench_sharded.json)."""
+    gib = 2**30
+    d = _load("aot_real_shapes.json")
+    if d:
+        m = d["machine"]
+        print(f"### Whole dominotree generation compiled ahead of time ({m['cpu_cores']} CPU cores, jax {m['jax']}, "
+              f"{m['host_devices']} host devices)\n")
+        rows = []
+        for r in d["rows"]:
+            mem, est = r["memory_analysis"], r["estimate_bytes"]
+            rows.append([r["model"], f"{(r['target_params'] + r['drafter_params']) / 1e9:.1f} B",
+                         f"{r['devices']} ({r['mesh']['data']}x{r['mesh']['model']})", f"{r['total_seconds']:.1f}",
+                         f"{mem['argument_bytes'] / gib:.2f}", f"{est['cache'] / gib:.2f}",
+                         f"{(est['logits'] + est['tree']) / gib:.2f}", f"{r['per_device_bytes'] / gib:.2f}",
+                         f"{mem['temp_bytes'] / gib:.1f}",
+                         " / ".join("yes" if r["fits"][k] else "no" for k in ("16 GiB", "32 GiB", "141 GiB"))])
+        print(_table(["model + drafter", "params", "devices (data x model)", "compile s", "params GiB/dev",
+                      "caches GiB/dev", "round activations GiB/dev", "needs GiB/dev", "CPU temp GiB/dev",
+                      "fits 16 / 32 / 141 GiB"], rows))
+        print()
+    d = _load("bench_sharded.json")
+    if d:
+        print(f"### Sharded run overhead at the tiny shapes ({d['machine']})\n")
+        print(_table(["method", "batch", "mesh", "seconds", "vs one device", "output = one device"],
+                     [[r["method"], r["batch"], r["mesh"], f"{r['seconds']:.3f}", f"{r['ratio']:.2f}x",
+                       "yes" if r["same_tokens"] else "NO"] for r in d["rows"]]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
     p.add_argument("--plot-training", action="store_true", help="also draw the SmolLM2 drafter's loss curves")
+    p.add_argument("--aot", action="store_true", help="only the AOT real-shapes and sharded-overhead tables")
     a = p.parse_args(argv)
+    if a.aot:
+        return aot_tables()
     prefix = "" if a.pair == "tiny" else "smollm2_"
     if a.plot_training:
         plot_training()

@@ -18,7 +18,6 @@ import pathlib
 import platform
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp

@@ -115,3 +115,20 @@ def hf_gdn_states(cache, layer: int) -> tuple[np.ndarray, np.ndarray]:
     lay = cache.layers[layer]
     conv = lay.conv_states[0].detach().float().numpy()
     return np.swapaxes(conv[:, :, 1:], 1, 2), lay.recurrent_states[0].detach().float().numpy()
+
+
+def save_hybrid_pair(root):
+    """A tiny Qwen3.5 target (seed 5) in ``root/target`` and a random Domino drafter declared for it (seed 6) in
+    ``root/drafter``, both in HF layout; returns the HF target."""
+    import json
+
+    from tests.oracles import tiny_domino
+
+    hf, _ = tiny_hybrid("qwen3_5", seed=5)
+    hf.save_pretrained(root / "target")
+    dom, _, _ = tiny_domino(shift_label=False, seed=6)
+    dom.save_pretrained(root / "drafter")
+    cfg = json.loads((root / "drafter" / "config.json").read_text())
+    cfg["num_target_layers"] = hf.config.num_hidden_layers
+    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
+    return hf

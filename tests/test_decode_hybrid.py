@@ -12,8 +12,7 @@ import torch
 from dtree_jax import api, convert, loop
 from dtree_jax.api import generate
 from dtree_jax.models import qwen3_5
-from tests.oracles import tiny_domino
-from tests.oracles_hybrid import tiny_hybrid
+from tests.oracles_hybrid import save_hybrid_pair
 from tests.oracles import oracle_draft
 
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
@@ -22,13 +21,7 @@ PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
-    hf, _ = tiny_hybrid("qwen3_5", seed=5)
-    hf.save_pretrained(root / "target")
-    dom, _, _ = tiny_domino(shift_label=False, seed=6)
-    dom.save_pretrained(root / "drafter")
-    cfg = json.loads((root / "drafter" / "config.json").read_text())  # a random drafter, declared for this target
-    cfg["num_target_layers"] = hf.config.num_hidden_layers
-    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
+    hf = save_hybrid_pair(root)
     target = api.load_model(root / "target")
     draft = api.load_model(root / "drafter")
     assert target.kind == "qwen3_5" and draft.kind == "drafter"

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from dtree_jax.models import qwen3
-from dtree_jax.models.config import Qwen3Config
 from dtree_jax.tree import ancestor_mask
 from tests import oracles
 

@@ -17,8 +17,8 @@ from dtree_jax.models.config import Qwen3Config
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D], RoPE applied
-    v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
+    v: tuple[jax.Array, ...]  # per layer [B, S, Hkv * kv_head_repeat, D]
 
     @property
     def capacity(self) -> int:
@@ -29,7 +29,7 @@ def init_kv_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
     """Zero cache for ``cfg.num_layers`` layers, ``max_len`` rows per request, dtype ``cfg.dtype``."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, max_len, cfg.cache_kv_heads, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
     return KVCache(k=zeros(), v=zeros())
 

@@ -62,6 +62,20 @@ def check_kernel_platform(platform: str | None) -> None:
         raise ValueError(f"kernel_platform must be one of {KERNEL_PLATFORMS} or None, got {platform!r}")
 
 
+def check_kv_heads(cfg) -> None:
+    """The query heads must split evenly over the KV heads, and over their repeats in the cache."""
+    if isinstance(cfg.kv_head_repeat, bool) or not isinstance(cfg.kv_head_repeat, int) or cfg.kv_head_repeat < 1:
+        raise ValueError(f"kv_head_repeat must be a positive integer, got {cfg.kv_head_repeat!r}")
+    if cfg.num_heads % (cfg.num_kv_heads * cfg.kv_head_repeat):
+        raise ValueError(f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}"
+                         + (f" x kv_head_repeat={cfg.kv_head_repeat}" if cfg.kv_head_repeat > 1 else ""))
+
+
+def repeat_kv(x, cfg):  # [B, T, Hkv, D] -> [B, T, Hkv * kv_head_repeat, D]
+    """Each KV head repeated ``cfg.kv_head_repeat`` times in place (query head ``h`` keeps its KV head)."""
+    return x if cfg.kv_head_repeat == 1 else jnp.repeat(x, cfg.kv_head_repeat, axis=2)
+
+
 def _require(d: Mapping[str, Any], key: str) -> Any:
     if key not in d or d[key] is None:
         raise ValueError(f"config is missing required field {key!r}")
@@ -90,18 +104,21 @@ class Qwen3Config:
     attention_impl: str = "xla"  # "xla" (reference_tree_attention) or "pallas"
     kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
     max_position_embeddings: int | None = None  # positions the model was trained for (generate checks prompts)
+    kv_head_repeat: int = 1  # the KV cache holds each KV head this many times (``sharding.for_mesh``)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)  # accept jnp.bfloat16, np.dtype, "float32"
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         check_kernel_platform(self.kernel_platform)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+        check_kv_heads(self)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads per layer in the cache: ``num_kv_heads * kv_head_repeat``."""
+        return self.num_kv_heads * self.kv_head_repeat
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], **overrides) -> "Qwen3Config":

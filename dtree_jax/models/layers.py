@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dtree_jax.models import sharding
-from dtree_jax.models.config import Llama3RoPE, Qwen3Config
+from dtree_jax.models.config import Llama3RoPE, Qwen3Config, repeat_kv
 from dtree_jax.models.kernels import attention_kwargs
 from pallas_kernels.tree_attention import reference_tree_attention
 
@@ -177,11 +177,12 @@ def kv_project(
     cos: jax.Array,  # [B, T, D]
     sin: jax.Array,  # [B, T, D]
 ) -> tuple[jax.Array, jax.Array]:
-    """K (k_proj, per-head k_norm, RoPE) and V (v_proj), each ``[B, T, Hkv, D]``."""
+    """K (k_proj, per-head k_norm, RoPE) and V (v_proj), each ``[B, T, Hkv * kv_head_repeat, D]``: the KV heads
+    as the cache holds them (``repeat_kv``)."""
     b, t, _ = x.shape
     k = _project(x, p.wk, p.bk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = _project(x, p.wv, p.bv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(_head_norm(k, p.k_norm, cfg), cos, sin), v
+    return repeat_kv(apply_rope(_head_norm(k, p.k_norm, cfg), cos, sin), cfg), repeat_kv(v, cfg)
 
 
 def _project(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:  # [..., in] -> [..., out]

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 
 from dtree_jax.models import kernels
 from dtree_jax.models.cache import compact_kv
-from dtree_jax.models.config import ATTENTION_IMPLS, _require, _rope_theta, check_kernel_platform
+from dtree_jax.models.config import (
+    ATTENTION_IMPLS,
+    _require,
+    _rope_theta,
+    check_kernel_platform,
+    check_kv_heads,
+    repeat_kv,
+)
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
 from dtree_jax.models.qwen3 import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.layers import (
@@ -86,6 +93,7 @@ class Qwen35Config:
     attention_impl: str = "xla"  # "xla" or "pallas" (tree attention and the tree-GDN kernel)
     kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
     max_position_embeddings: int | None = None  # positions the model was trained for (generate checks prompts)
+    kv_head_repeat: int = 1  # the KV cache holds each KV head this many times (``sharding.for_mesh``)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -104,10 +112,7 @@ class Qwen35Config:
         if any(self.moe_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"MoE needs 0 < num_experts_per_tok <= num_experts, got "
                              f"{self.num_experts_per_tok} and {self.num_experts}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+        check_kv_heads(self)
         if self.linear_num_v_heads % self.linear_num_k_heads:
             raise ValueError(f"linear_num_value_heads={self.linear_num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={self.linear_num_k_heads}")
@@ -123,6 +128,11 @@ class Qwen35Config:
     @property
     def gdn_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads per attention layer in the cache: ``num_kv_heads * kv_head_repeat``."""
+        return self.num_kv_heads * self.kv_head_repeat
 
     @property
     def conv_dim(self) -> int:
@@ -434,8 +444,8 @@ class PendingVerify:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
-    k: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv, D], RoPE applied
-    v: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv, D]
+    k: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
+    v: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv * kv_head_repeat, D]
     conv: tuple[jax.Array, ...]  # per GDN layer [B, Kc-1, C] committed raw conv inputs, oldest first
     state: tuple[jax.Array, ...]  # per GDN layer [B, Hv, dk, dv] fp32 committed recurrent state
     pending: PendingVerify | None = None  # set by forward, consumed (cleared) by commit
@@ -450,7 +460,7 @@ def init_cache(cfg: Qwen35Config, batch: int, max_len: int) -> HybridCache:
     recurrent states per GDN layer, no pending verify."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
-    kv = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    kv = (batch, max_len, cfg.cache_kv_heads, cfg.head_dim)
     conv = (batch, cfg.linear_conv_kernel - 1, cfg.conv_dim)
     state = (batch, cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim)
     na, ng = len(cfg.attn_layers), len(cfg.gdn_layers)
@@ -480,8 +490,8 @@ def gated_attention(
     h: jax.Array,  # [B, T, H] input_layernorm output
     cos: jax.Array,  # [B, T, rotary_dim]
     sin: jax.Array,  # [B, T, rotary_dim]
-    k_cache: jax.Array,  # [B, S, Hkv, D]
-    v_cache: jax.Array,  # [B, S, Hkv, D]
+    k_cache: jax.Array,  # [B, S, Hkv * kv_head_repeat, D]
+    v_cache: jax.Array,  # [B, S, Hkv * kv_head_repeat, D]
     lens: jax.Array,  # [B]
     local_mask: jax.Array,  # [B, T, T]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [B, T, H], k_cache, v_cache)
@@ -495,6 +505,7 @@ def gated_attention(
     k = (h @ p.wk).reshape(b, t, cfg.num_kv_heads, d)
     k = apply_rope(rms_norm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin)
     v = (h @ p.wv).reshape(b, t, cfg.num_kv_heads, d)
+    k, v = repeat_kv(k, cfg), repeat_kv(v, cfg)
     k_cache, v_cache = write_rows(k_cache, k, lens), write_rows(v_cache, v, lens)
     o = attend(cfg, q, k_cache, v_cache, lens, local_mask).reshape(b, t, nh * d)
     return (o * jax.nn.sigmoid(gate)) @ p.wo, k_cache, v_cache

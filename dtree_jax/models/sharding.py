@@ -13,10 +13,11 @@ The partitioner cannot split a Pallas call, so the kernels run per shard under `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import numpy as np
@@ -29,7 +30,8 @@ MESH_AXES = (DATA, MODEL)
 RULES: dict[str, str] = {
     "batch": DATA,
     "heads": MODEL,  # attention query heads
-    "kv_heads": MODEL,  # attention key/value heads
+    "kv_heads": MODEL,  # attention key/value heads (of the projections)
+    "cache_kv_heads": MODEL,  # the KV cache's heads (repeated to the model degree by ``for_mesh``)
     "v_heads": MODEL,  # Gated DeltaNet value heads
     "gdn_channels": MODEL,  # the GDN's [q | k | v] conv channels (depthwise, so split anywhere)
     "mlp": MODEL,  # MLP hidden columns (dense and per expert)
@@ -77,8 +79,8 @@ LEAF_AXES: dict[str, dict[int, tuple]] = {
     "w1": _R2,  # [H+G, E]
     "w2": {2: ("vocab", None)},  # [V, E]
     # caches
-    "k": {4: ("batch", None, "kv_heads", None)},  # [B, S, Hkv, D]
-    "v": {4: ("batch", None, "kv_heads", None)},
+    "k": {4: ("batch", None, "cache_kv_heads", None)},  # [B, S, Hkv * kv_head_repeat, D]
+    "v": {4: ("batch", None, "cache_kv_heads", None)},
     "conv": {3: ("batch", None, "gdn_channels")},  # [B, Kc-1, C]
     "state": {4: ("batch", "v_heads", None, None)},  # [B, Hv, dk, dv]
     # the decode state
@@ -159,8 +161,24 @@ def units(cfg) -> dict[str, int]:
     backbone's): heads must be split whole, so ``model`` shards them only if it divides their number."""
     cfg = getattr(cfg, "model", cfg)
     got = dict(heads=getattr(cfg, "num_heads", None), kv_heads=getattr(cfg, "num_kv_heads", None),
-               v_heads=getattr(cfg, "linear_num_v_heads", None))
+               cache_kv_heads=getattr(cfg, "cache_kv_heads", None), v_heads=getattr(cfg, "linear_num_v_heads", None))
     return {k: int(v) for k, v in got.items() if v}
+
+
+def for_mesh(cfg, mesh):
+    """``cfg`` (a target's, or a drafter's: its backbone) set up for ``mesh``: when ``model`` is a multiple of the
+    KV heads (and divides the query heads), the cache holds each KV head ``model / Hkv`` times
+    (``kv_head_repeat``) so that it splits over ``model`` like the query heads, one KV head per device, instead
+    of being replicated whole on every device (the serving engines' layout; the weights are unchanged)."""
+    if mesh is None or getattr(cfg, "model", cfg) is None:
+        return cfg
+    inner = getattr(cfg, "model", cfg)
+    if not hasattr(inner, "kv_head_repeat"):
+        return cfg
+    m, hkv, hq = axis_size(mesh, MODEL), inner.num_kv_heads, inner.num_heads
+    repeat = m // hkv if m > hkv and m % hkv == 0 and hq % m == 0 else 1
+    inner = dataclasses.replace(inner, kv_head_repeat=repeat)
+    return dataclasses.replace(cfg, model=inner) if hasattr(cfg, "model") else inner
 
 
 def leaf_name(path) -> str | None:
@@ -300,11 +318,13 @@ def per_shard(fn, in_specs, out_specs):
 CLUSTER_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
 
 
-def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
+def initialize_distributed(env: Mapping[str, str] = os.environ, force: bool = False) -> bool:
     """``jax.distributed.initialize`` when the environment describes a multi-process run, before anything
     touches a device: explicitly through ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0) with
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or a cluster JAX detects itself (Slurm, Open MPI, a Cloud TPU
-    pod slice: ``CLUSTER_VARIABLES`` naming more than one process).  Returns whether it initialised."""
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or a cluster JAX detects itself (Slurm, Open MPI, a GKE TPU
+    slice: ``CLUSTER_VARIABLES`` naming more than one process); ``force`` lets JAX detect the cluster in any
+    case (Cloud TPU VMs, which describe the pod through their metadata server, not the environment).  Returns
+    whether it initialised."""
     # CPU devices of different processes talk through gloo (accelerators ignore this option).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if env.get("JAX_COORDINATOR_ADDRESS"):
@@ -318,7 +338,7 @@ def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
     def several(value: str) -> bool:  # a process count above 1, or a list of more than one host
         return int(value) > 1 if value.isdigit() else len(value.split(",")) > 1
 
-    if any(several(env[k]) for k in CLUSTER_VARIABLES if env.get(k)):
+    if force or any(several(env[k]) for k in CLUSTER_VARIABLES if env.get(k)):
         jax.distributed.initialize()
         return True
     return False
@@ -331,6 +351,6 @@ def per_device_bytes(tree, mesh, cfg=None) -> int:
 
 
 __all__ = ["DATA", "MODEL", "MESH_AXES", "RULES", "LEAF_AXES", "make_mesh", "parse_mesh", "as_mesh", "axis_size",
-           "context_mesh", "units", "leaf_name", "logical_axes", "partition_spec", "shardings",
+           "context_mesh", "units", "for_mesh", "leaf_name", "logical_axes", "partition_spec", "shardings",
            "unknown_leaves", "place", "put", "constrain", "whole_last_axis", "to_host", "head_plan", "select_kv_head", "per_shard",
            "initialize_distributed", "per_device_bytes"]
