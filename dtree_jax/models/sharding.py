@@ -325,23 +325,27 @@ def initialize_distributed(env: Mapping[str, str] = os.environ, force: bool = Fa
     slice: ``CLUSTER_VARIABLES`` naming more than one process); ``force`` lets JAX detect the cluster in any
     case (Cloud TPU VMs, which describe the pod through their metadata server, not the environment).  Returns
     whether it initialised."""
-    # CPU devices of different processes talk through gloo (accelerators ignore this option).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if env.get("JAX_COORDINATOR_ADDRESS"):
         missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(k, "").isdigit()]
         if missing:
             raise ValueError(f"JAX_COORDINATOR_ADDRESS is set, so {' and '.join(missing)} must be too "
                              "(non-negative integers)")
-        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
-                                   int(env["JAX_PROCESS_ID"]))
+        _initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"]))
         return True
     def several(value: str) -> bool:  # a process count above 1, or a list of more than one host
         return int(value) > 1 if value.isdigit() else len(value.split(",")) > 1
 
     if force or any(several(env[k]) for k in CLUSTER_VARIABLES if env.get(k)):
-        jax.distributed.initialize()
+        _initialize()
         return True
     return False
+
+
+def _initialize(*args) -> None:
+    """``jax.distributed.initialize(*args)``, with gloo between the CPU devices of different processes
+    (accelerators ignore that option); set only for a multi-process run."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(*args)
 
 
 def per_device_bytes(tree, mesh, cfg=None) -> int:
