@@ -396,8 +396,12 @@ def _match_keys(kind: str, reader: Any, expected: dict[str, tuple[int, ...]]) ->
     return raw_of
 
 
-def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> tuple[Any, ReadStats]:
-    """Validates and converts ``model``'s checkpoint (one tensor at a time) to its params pytree."""
+def read_params(
+    model: HFModel, dtype: Any = None, *, progress: bool = True, mesh: Any = None
+) -> tuple[Any, ReadStats]:
+    """Validates and converts ``model``'s checkpoint (one tensor at a time) to its params pytree; with a
+    ``mesh`` each leaf goes into its shards (``models.sharding``) as soon as it is read, so the host never
+    holds more than one leaf (a stacked or regrouped leaf: the tensors it is built from)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -433,21 +437,30 @@ def read_params(model: HFModel, dtype: Any = None, *, progress: bool = True) -> 
             return array
 
         with bar:
-            params = model.module.params_from_hf(model.cfg, get, dtype)
+            if mesh is None:
+                params = model.module.params_from_hf(model.cfg, get, dtype)
+            else:
+                from dtree_jax.models import sharding
+                from dtree_jax.models.layers import deferred_leaf
+
+                deferred = model.module.build_params(model.cfg, deferred_leaf(expected, get, dtype))
+                params = sharding.place(deferred, mesh, model.cfg)
     if done != expected.keys():
         unread = sorted(expected.keys() - done)
         raise RuntimeError(f"{model.module.__name__}.params_from_hf did not read {unread}")
     return params, ReadStats(len(done), nbytes, time.perf_counter() - start)
 
 
-def load_hf(path: str | Path, dtype: Any = None, *, progress: bool = True) -> tuple[str, Any, Any]:
+def load_hf(
+    path: str | Path, dtype: Any = None, *, progress: bool = True, mesh: Any = None
+) -> tuple[str, Any, Any]:
     """Converts an HF model directory in memory: ``(kind, cfg, params)``.
 
     ``dtype`` (a name or dtype in ``DTYPES``) defaults to the config's ``dtype``/``torch_dtype``, else
-    float32.
+    float32.  ``mesh``: each leaf placed into its shards as it is read (``read_params``).
     """
     model = HFModel.open(path)
-    params, _ = read_params(model, dtype, progress=progress)
+    params, _ = read_params(model, dtype, progress=progress, mesh=mesh)
     dtype = _dtype(dtype, model.config)
     return model.kind, _config_from_hf(model.module, model.config, model.config_file, dtype), params
 
@@ -636,8 +649,8 @@ def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[s
 
     ``dtype`` None keeps the converted dtype (HF: the config's dtype); otherwise leaves are cast to it.
     ``mesh`` (a ``jax.sharding.Mesh``): params placed with the ``models.sharding`` table's shardings; a converted
-    directory is restored straight into its shards, an HF directory is read on the host and placed leaf by
-    leaf (one host copy, never one per device).
+    directory is restored straight into its shards, an HF directory is read one tensor at a time and each leaf
+    placed into its shards at once (the host holds one leaf, never the model).
     """
     path = model_dir(path)
     if (path / META_FILE).is_file():
@@ -649,13 +662,7 @@ def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[s
             cfg = _config_from_hf(module, read_config(path), path / "config.json", _dtype(dtype, {}))
         return kind, cfg, params
     if (path / "config.json").is_file():
-        if mesh is None:
-            return load_hf(path, dtype)
-        from dtree_jax.models import sharding
-
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            kind, cfg, params = load_hf(path, dtype)
-        return kind, cfg, sharding.place(params, mesh, cfg)
+        return load_hf(path, dtype, mesh=mesh)
     roles = [r for r in ("target", "drafter") if (path / r / META_FILE).is_file()]
     if roles:
         raise ValueError(f"{path}: a conversion output; pass {' or '.join(str(path / r) for r in roles)}")

@@ -66,6 +66,12 @@ class Spec:
         return 1 + self.record.draft_nodes(self.budget, depth)
 
     @property
+    def draft_depth(self) -> int:
+        """Draft rows a round uses: the deepest tree depth it can reach (a tree of ``budget`` nodes reaches no
+        deeper than ``budget``), so the drafter's output head runs on no row the builder cannot use."""
+        return min(self.max_depth, self.budget) if self.record.tree else self.max_depth
+
+    @property
     def taps(self) -> tuple[int, ...]:
         return () if self.drafter_cfg is None else tuple(self.drafter_cfg.target_layer_ids)
 
@@ -119,7 +125,8 @@ def draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRou
     if not spec.record.drafts:
         return None
     ph, base, root_state = spec.drafter.draft_round(
-        dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg, state.dcache, state.lens, state.root
+        dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg, state.dcache, state.lens, state.root,
+        rows=spec.draft_depth,
     )
     return builders.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root)
 
@@ -136,7 +143,7 @@ def build_tree(spec: Spec, tparams, dparams, rnd: builders.DraftRound | None, st
         node_topk=spec.node_topk,
         corr_topm=spec.corr_topm,
         pure_draft_prefix_len=spec.drafter_cfg.pure_draft_prefix_len,
-        max_depth=spec.max_depth,
+        max_depth=spec.draft_depth,
         mask_token_id=spec.drafter_cfg.mask_token_id,
     )
 

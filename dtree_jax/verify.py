@@ -62,17 +62,22 @@ def filter_logits(logits: jax.Array, temperature, top_k: int = 0, top_p: float =
 
 def sample_tokens(key: jax.Array, logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0):
     """One token per row of ``logits [..., V]``: argmax when ``temperature`` <= 0, else a sample from the
-    filtered softmax.  ``temperature`` may be a traced scalar (both branches are computed).  ``key`` is one
-    key, or one per request (``[B]`` for ``logits [B, ..., V]``: each request draws from its own stream)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if _is_concrete(temperature) and float(np.asarray(temperature)) <= 0:
-        return greedy
-    filtered = filter_logits(logits, temperature, top_k, top_p)
-    if key.shape:
-        sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(key, filtered)
-    else:
-        sampled = jax.random.categorical(key, filtered, axis=-1)
-    return jnp.where(jnp.asarray(temperature) > 0, sampled.astype(jnp.int32), greedy)
+    filtered softmax.  ``temperature`` may be a traced scalar: ``lax.cond`` then runs only the branch it
+    selects, so greedy decoding draws no random numbers over the vocabulary.  ``key`` is one key, or one per
+    request (``[B]`` for ``logits [B, ..., V]``: each request draws from its own stream)."""
+
+    def greedy(logits):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(logits):
+        filtered = filter_logits(logits, temperature, top_k, top_p)
+        if key.shape:
+            return jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(key, filtered).astype(jnp.int32)
+        return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+    if _is_concrete(temperature):
+        return greedy(logits) if float(np.asarray(temperature)) <= 0 else sampled(logits)
+    return jax.lax.cond(jnp.asarray(temperature) > 0, sampled, greedy, logits)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The decode loop: every method is lossless against ``ar`` (greedy, and in distribution when sampling),
 ``ar`` equals transformers ``generate``, stops and capacity are handled, and nothing recompiles."""
 
+import dataclasses
 import json
 
 import jax
@@ -276,3 +277,21 @@ def test_stats_are_per_request_and_plain_numbers(models):
     assert first["seconds"] < second["seconds"] <= short.seconds + 1e-9
     inst = generate(target, PROMPTS, "dominotree", draft, budget=6, max_new_tokens=8, stop_ids=(), instrument=True)
     assert inst.compile_seconds > 0 and all(v < inst.compile_seconds for v in inst.stage_seconds.values())
+
+
+def test_a_tied_target_loaded_on_cpu_gets_its_own_output_head():
+    """``api.load_model`` gives a tied target (the shipped tiny one) a contiguous ``[H, V]`` copy of its table
+    on CPU; every method decodes the same tokens with it as with the tied table itself."""
+    from dtree_jax import cli
+
+    loaded = api.load_model(cli.checkpoints_dir() / "tiny-target")
+    draft = api.load_model(cli.checkpoints_dir() / "tiny-domino")
+    assert loaded.cfg.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(loaded.params.lm_head), np.asarray(loaded.params.embed).T)
+    tied = Model(loaded.kind, loaded.cfg, dataclasses.replace(loaded.params, lm_head=None), loaded.path)
+    assert api.cpu_layout(api.load_model(draft)) is draft  # drafters keep their layout
+    prompts = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11]]
+    for method in ("ar", "dominotree"):
+        own = generate(loaded, prompts, method, draft, budget=4, max_new_tokens=12, stop_ids=())
+        table = generate(tied, prompts, method, draft, budget=4, max_new_tokens=12, stop_ids=())
+        assert own.tokens == table.tokens

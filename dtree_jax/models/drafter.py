@@ -181,11 +181,13 @@ def draft_round(
     cache: KVCache,
     ctx_lens: jax.Array,  # [B] int32 context length (= the target's committed length)
     root: jax.Array,  # [B] int32 last committed token
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # (ph [B, K, H], base [B, K, V] fp32, root_state [B, G] fp32)
+    rows: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (ph [B, K', H], base [B, K', V] fp32, root_state [B, G] fp32)
     """Everything a round's tree builder needs from the drafter: the draft rows ``ph``, their base logits
     (``scale_logits`` of the target's lm_head) and the Domino GRU state after the root's embedding (``[B, 1]``
-    zeros for a plain DFlash drafter)."""
-    ph = draft_rows(draft_block(params, cfg, target, target_params, cache, ctx_lens, root), cfg)
+    zeros for a plain DFlash drafter).  ``rows``: keep only the first ``K' = min(rows, K)`` draft rows (the
+    depths the round's tree can reach), so the vocabulary-wide head runs on no other row; None keeps all K."""
+    ph = draft_rows(draft_block(params, cfg, target, target_params, cache, ctx_lens, root), cfg)[:, :rows]
     base = scale_logits(cfg, target.lm_head(target_params, target_cfg, ph))
     if params.head is None:
         return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32)

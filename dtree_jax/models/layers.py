@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dtree_jax.models import sharding
@@ -102,15 +102,17 @@ def load_layer(leaf: Leaf, prefix: str, cfg: Qwen3Config | None = None) -> Layer
     return LayerParams(**{field: present.get(field) for _, field, _ in LAYER_KEYS})
 
 
-def hf_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype) -> Leaf:
+def hf_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype, host: bool = False) -> Leaf:
     """A ``leaf`` that reads one HF tensor with ``get(key)``, checks its shape, transposes ``[out, in]``
-    Linear weights to ``[in, out]`` and casts at once (peak memory: the output plus one tensor)."""
+    Linear weights to ``[in, out]`` and casts at once (peak memory: the output plus one tensor); ``host``: as a
+    numpy array instead of a device array."""
 
     def leaf(key: str, transpose: bool) -> jax.Array:
         x = get(key)
         if tuple(x.shape) != shapes[key]:
             raise ValueError(f"{key}: expected HF shape {shapes[key]}, got {tuple(x.shape)}")
-        return jnp.asarray(x.T if transpose else x, dtype)
+        x = x.T if transpose else x
+        return np.ascontiguousarray(x, np.dtype(dtype)) if host else jnp.asarray(x, dtype)
 
     return leaf
 
@@ -118,6 +120,56 @@ def hf_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype
 def abstract_leaf(shapes: dict[str, tuple[int, ...]], dtype) -> Leaf:
     """A ``leaf`` giving the ``jax.ShapeDtypeStruct`` that ``hf_leaf`` would produce."""
     return lambda key, transpose: jax.ShapeDtypeStruct(shapes[key][::-1] if transpose else shapes[key], dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Deferred:
+    """A params leaf not read yet: its ``shape`` and ``dtype`` are known (so its sharding is), its value is made
+    on the host when asked for (``np.asarray``).  ``deferred_leaf`` makes them and ``derive`` composes them, so
+    loading into a mesh (``models.sharding.place``) reads, places and frees one leaf at a time."""
+
+    make: Callable[[], np.ndarray]
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        x = self.make()
+        return x if dtype is None else x.astype(dtype)
+
+
+def deferred_leaf(shapes: dict[str, tuple[int, ...]], get: Callable[[str], Any], dtype) -> Leaf:
+    """A ``leaf`` like ``hf_leaf`` that reads nothing yet: each leaf is a ``Deferred`` that reads its tensor with
+    ``get`` when made."""
+    read, abstract = hf_leaf(shapes, get, dtype, host=True), abstract_leaf(shapes, dtype)
+
+    def leaf(key: str, transpose: bool) -> Deferred:
+        a = abstract(key, transpose)
+        return Deferred(lambda: read(key, transpose), a.shape, a.dtype)
+
+    return leaf
+
+
+def derive(fn: Callable, *xs):
+    """``fn(*xs)`` for leaves made by any ``Leaf`` (a leaf built from several HF tensors, or regrouped from one):
+    run at once on arrays, the result's ``ShapeDtypeStruct``s on abstract leaves, and on ``Deferred`` leaves
+    one ``Deferred`` per output that runs ``fn`` when first made (the outputs of one call share it)."""
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.eval_shape(fn, *xs)
+    if not isinstance(xs[0], Deferred):
+        return fn(*xs)
+    out = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs))
+    pending: dict[int, np.ndarray] = {}
+
+    def make(i: int) -> np.ndarray:
+        if not pending:
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                result = fn(*(np.asarray(x) for x in xs))
+            pending.update(enumerate(np.asarray(r) for r in (result if isinstance(out, tuple) else (result,))))
+        return pending.pop(i)
+
+    if isinstance(out, tuple):
+        return tuple(Deferred(lambda i=i: make(i), o.shape, o.dtype) for i, o in enumerate(out))
+    return Deferred(lambda: make(0), out.shape, out.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

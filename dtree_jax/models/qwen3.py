@@ -39,7 +39,7 @@ class Qwen3Params:
     embed: jax.Array  # [V, H]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None  # [H, V]; None when tie_word_embeddings (then embed.T is used)
+    lm_head: jax.Array | None  # [H, V]; None when tie_word_embeddings (embed.T is used; see lm_head)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen3Config:
@@ -94,8 +94,10 @@ def embed_table(params: Qwen3Params) -> jax.Array:  # [V, H]
 
 
 def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
-    """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``."""
-    if cfg.tie_word_embeddings:
+    """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``: ``params.lm_head``
+    when the params hold one (untied checkpoints, or a tied table given its own copy by ``api.cpu_layout``),
+    else the embedding table."""
+    if params.lm_head is None:
         return jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("...h,hv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
 

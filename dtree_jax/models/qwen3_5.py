@@ -44,6 +44,7 @@ from dtree_jax.models.layers import (
     abstract_leaf,
     apply_rope,
     attend,
+    derive,
     hf_leaf,
     rope_tables,
     swiglu,
@@ -328,13 +329,6 @@ def hf_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _apply(fn: Callable, *xs):
-    """``fn(*xs)`` on arrays, or its ``jax.ShapeDtypeStruct`` result on abstract leaves (abstract_params)."""
-    if isinstance(xs[0], jax.ShapeDtypeStruct):
-        return jax.eval_shape(fn, *xs)
-    return fn(*xs)
-
-
 def _regroup_qkvz(cfg: Qwen35Config, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Qwen3-Next ``in_proj_qkvz`` ``[Hk * (2dk + 2r dv), H]`` (grouped per key head, r = Hv / Hk) ->
     ``(w_qkv [H, C], w_z [H, Hv*dv])`` in the Qwen3.5 layout."""
@@ -355,14 +349,14 @@ def _regroup_ba(cfg: Qwen35Config, w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _load_gdn(cfg: Qwen35Config, leaf: Leaf, p: str) -> GDNParams:
     if cfg.fused_gdn_proj:
-        w_qkv, w_z = _apply(lambda w: _regroup_qkvz(cfg, w), leaf(p + "in_proj_qkvz.weight", False))
-        w_b, w_a = _apply(lambda w: _regroup_ba(cfg, w), leaf(p + "in_proj_ba.weight", False))
+        w_qkv, w_z = derive(lambda w: _regroup_qkvz(cfg, w), leaf(p + "in_proj_qkvz.weight", False))
+        w_b, w_a = derive(lambda w: _regroup_ba(cfg, w), leaf(p + "in_proj_ba.weight", False))
     else:
         w_qkv, w_z = leaf(p + "in_proj_qkv.weight", True), leaf(p + "in_proj_z.weight", True)
         w_b, w_a = leaf(p + "in_proj_b.weight", True), leaf(p + "in_proj_a.weight", True)
     return GDNParams(
         w_qkv=w_qkv, w_z=w_z, w_b=w_b, w_a=w_a,
-        conv_w=_apply(lambda w: w[:, 0, :], leaf(p + "conv1d.weight", False)),
+        conv_w=derive(lambda w: w[:, 0, :], leaf(p + "conv1d.weight", False)),
         A_log=leaf(p + "A_log", False),
         dt_bias=leaf(p + "dt_bias", False),
         norm=leaf(p + "norm.weight", False),
@@ -389,9 +383,9 @@ def _load_moe(cfg: Qwen35Config, leaf: Leaf, p: str) -> MoEMLP:
     stack = lambda *xs: jnp.stack(xs)
     return MoEMLP(
         router=leaf(p + "gate.weight", True),
-        w_gate=_apply(stack, *(e.w_gate for e in experts)),
-        w_up=_apply(stack, *(e.w_up for e in experts)),
-        w_down=_apply(stack, *(e.w_down for e in experts)),
+        w_gate=derive(stack, *(e.w_gate for e in experts)),
+        w_up=derive(stack, *(e.w_up for e in experts)),
+        w_down=derive(stack, *(e.w_down for e in experts)),
         shared=_load_dense(leaf, p + "shared_expert."),
         shared_gate=leaf(p + "shared_expert_gate.weight", True),
     )
