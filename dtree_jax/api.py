@@ -173,8 +173,8 @@ def load_model(model, mesh=None) -> Model | None:
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         from dtree_jax import convert
 
-        path = convert.model_dir(model)
-        kind, cfg, params = convert.load_model(path, mesh=mesh)
+        path = convert.model_dir(model, weights=mesh is None)  # with a mesh a GGUF file streams into its shards
+        kind, cfg, params = convert.load_model(model, mesh=mesh)
         return cpu_layout(Model(kind, cfg, params, str(path), eos_ids(path)), mesh)
     if isinstance(model, tuple) and len(model) == 3:
         model = Model(*model)

@@ -526,9 +526,7 @@ def convert(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise ValueError(f"{out}: cannot write there ({e.strerror}); choose another --out") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result gets the mode any new directory would
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the result gets the mode any new directory would
     summary = {"out": str(out), "dtype": dtype, "models": {}, "keys": 0, "bytes": 0}
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():  # SIGTERM cleans up like Ctrl-C
@@ -624,10 +622,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtree-jax"
 
 
-def model_dir(path: str | Path, *, progress: bool = True) -> Path:
+def _umask() -> int:
+    """The process's umask (read by setting it, then restoring it)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def model_dir(path: str | Path, *, progress: bool = True, weights: bool = True) -> Path:
     """The directory to load ``path`` from: ``path`` itself, or for a GGUF file its converted copy in
     ``cache_dir()`` (keyed by the file's resolved path, size and mtime; converted on first use, atomically,
-    as float32 and reused afterwards)."""
+    as float32 and reused afterwards).  ``weights=False``: a GGUF file not converted yet gets only its config
+    and tokenizer files written there (``<name>-<key>-files``, atomically), for a load that streams its
+    tensors straight into a mesh (``load_model``)."""
     path = Path(path)
     if not is_gguf(path):
         return path
@@ -637,9 +644,27 @@ def model_dir(path: str | Path, *, progress: bool = True) -> Path:
     st = file.stat()
     key = hashlib.sha256(f"{file}\0{st.st_size}\0{st.st_mtime_ns}\0{GGUF_CACHE_DTYPE}".encode()).hexdigest()
     out = cache_dir() / f"{file.stem}-{key[:16]}"
-    if not (out / "target" / META_FILE).is_file():
-        print(f"converting {file} to {out} (once; later runs reuse it)", file=sys.stderr)
-        convert(file, out_dir=out, dtype=GGUF_CACHE_DTYPE, overwrite=True, progress=progress)
+    if (out / "target" / META_FILE).is_file():
+        return out / "target"
+    if not weights:  # beside the conversion's directory, which a later conversion replaces whole
+        files = out.with_name(out.name + "-files")
+        if not (files / "config.json").is_file():
+            from dtree_jax.gguf import GGUFCheckpoint
+
+            files.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{files.name}.partial-", dir=files.parent))
+            try:
+                GGUFCheckpoint(file).write_model_files(tmp)
+                tmp.chmod(0o777 & ~_umask())
+                tmp.rename(files)
+            except OSError:  # another process wrote it first
+                if not (files / "config.json").is_file():
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return files
+    print(f"converting {file} to {out} (once; later runs reuse it)", file=sys.stderr)
+    convert(file, out_dir=out, dtype=GGUF_CACHE_DTYPE, overwrite=True, progress=progress)
     return out / "target"
 
 
@@ -650,8 +675,11 @@ def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[s
     ``dtype`` None keeps the converted dtype (HF: the config's dtype); otherwise leaves are cast to it.
     ``mesh`` (a ``jax.sharding.Mesh``): params placed with the ``models.sharding`` table's shardings; a converted
     directory is restored straight into its shards, an HF directory is read one tensor at a time and each leaf
-    placed into its shards at once (the host holds one leaf, never the model).
+    placed into its shards at once (the host holds one leaf, never the model), and so is a GGUF file not yet
+    converted into the cache (its tensors dequantised one at a time; once converted, the cache is restored).
     """
+    if mesh is not None and is_gguf(path) and not (model_dir(path, weights=False) / META_FILE).is_file():
+        return load_hf(path, dtype or GGUF_CACHE_DTYPE, mesh=mesh)
     path = model_dir(path)
     if (path / META_FILE).is_file():
         kind, cfg, params = load_converted(path, mesh=mesh)

@@ -59,6 +59,18 @@ def test_invariants_random(seed, method):
     check_invariants(tree, 20, MASK)
 
 
+@pytest.mark.parametrize("method", ["ddtree", "dominotree", "condstatic"])
+@pytest.mark.parametrize("budget", [1, 3, 5])
+def test_a_tree_needs_no_draft_row_deeper_than_its_budget(method, budget):
+    """The loop hands the builder only the first ``min(K, budget)`` draft rows (``Spec.draft_depth``): a tree of
+    ``budget`` nodes cannot reach deeper, so the tree is the one built from all K rows."""
+    head, embed = tiny_model(1)
+    rnd = random_round(head, embed, seed=budget, batch=3, depth=6)
+    cut = DraftRound(ph=rnd.ph[:, :budget], base=rnd.base[:, :budget], root_state=rnd.root_state, root=rnd.root)
+    kw = dict(budget=budget, node_topk=4, corr_topm=16, pure_draft_prefix_len=1, mask_token_id=MASK)
+    assert_same_tree(build_tree(method, cut, head, embed, **kw), build_tree(method, rnd, head, embed, **kw))
+
+
 def test_lane_widths():
     assert lane_widths(16, 8, 16) == (1, 8, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1)
     assert lane_widths(2, 3, 5) == (1, 1)

@@ -244,6 +244,31 @@ def test_gguf_cache_converts_once(tmp_path, monkeypatch):
         dtree_jax.generate(target, [[3, 4]], "ar", chat=True)
 
 
+def test_a_gguf_file_streams_into_a_mesh_without_converting(tmp_path, monkeypatch):
+    """With a mesh, a GGUF file not converted yet is read tensor by tensor straight into its shards: nothing
+    converted into the cache (only its config and tokenizer files written there), the same params and tokens
+    as the converted load; once it is converted, the cache is restored instead."""
+    from dtree_jax.models import sharding
+
+    model, d = _tiny_hf("qwen2", True)
+    file = tmp_path / "m.gguf"
+    write_gguf(file, "qwen2", model, d)
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path / "cache"))
+    mesh = sharding.make_mesh(1, 1)
+    with monkeypatch.context() as m:
+        m.setattr(cv, "convert", lambda *a, **k: pytest.fail("converted"))
+        streamed = load_model(file, mesh)
+    assert streamed.path.endswith("files") and streamed.eos_token_ids == (2,)
+    assert os.path.isfile(f"{streamed.path}/tokenizer.json") and not os.path.exists(f"{streamed.path}/params")
+    converted = load_model(file)
+    for a, b in zip(jax.tree.leaves(converted.params), jax.tree.leaves(streamed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = dtree_jax.generate(converted, ["hello"], "ar", chat=True, max_new_tokens=4).tokens
+    assert dtree_jax.generate(streamed, ["hello"], "ar", chat=True, max_new_tokens=4, mesh=mesh).tokens == want
+    monkeypatch.setattr(cv, "load_hf", lambda *a, **k: pytest.fail("read the GGUF file again"))
+    assert load_model(file, mesh).path == converted.path
+
+
 def test_gguf_errors(tmp_path):
     model, d = _tiny_hf("llama", False)
     good = tmp_path / "good.gguf"
