@@ -73,8 +73,9 @@ def _read_prompts(args) -> tuple[list, bool]:
     return [args.prompt if args.prompt is not None else DEFAULT_REQUEST], args.chat
 
 
-def _models(args):
-    """(target, drafter or None, whether this is the shipped main pair)."""
+def _models(args, mesh=None):
+    """(target, drafter or None, whether this is the shipped main pair), loaded straight into ``mesh``'s shards
+    when one is given."""
     from dtree_jax import api, builders
     from dtree_jax.gguf import smollm2_gguf
 
@@ -84,8 +85,8 @@ def _models(args):
         raise ValueError("--drafter needs its --target (the drafter was trained for one target)")
     if not main_pair and drafts and args.drafter is None:
         raise ValueError(f"--method {args.method} with a custom --target needs its --drafter")
-    target = api.load_model(smollm2_gguf() if main_pair else args.target)
-    drafter = api.load_model(shipped(SHIPPED_DRAFTER) if main_pair else args.drafter) if drafts else None
+    target = api.load_model(smollm2_gguf() if main_pair else args.target, mesh)
+    drafter = api.load_model(shipped(SHIPPED_DRAFTER) if main_pair else args.drafter, mesh) if drafts else None
     return target, drafter, main_pair
 
 
@@ -125,7 +126,7 @@ def run_generate(args) -> int:
     sharding.initialize_distributed(force=args.distributed)
     compilation_cache()
     mesh = sharding.as_mesh(args.mesh)
-    target, drafter, main_pair = _models(args)
+    target, drafter, main_pair = _models(args, mesh)
     if args.chat is None:
         args.chat = main_pair and args.prompt_ids is None
     prompts, chat = _read_prompts(args)

@@ -269,6 +269,21 @@ def test_a_gguf_file_streams_into_a_mesh_without_converting(tmp_path, monkeypatc
     assert load_model(file, mesh).path == converted.path
 
 
+def test_the_cli_streams_a_gguf_target_into_its_mesh(tmp_path, monkeypatch, capsys):
+    """``dtree-jax generate --mesh`` loads its models into the mesh: a GGUF target is streamed, not converted."""
+    model, d = _tiny_hf("qwen2", True)
+    file = tmp_path / "m.gguf"
+    write_gguf(file, "qwen2", model, d)
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cv, "convert", lambda *a, **k: pytest.fail("converted"))
+    argv = ["generate", "--target", str(file), "--method", "ar", "--mesh", "model=1", "--prompt-ids", "3,4",
+            "--max-new-tokens", "3", "--json"]
+    assert cli.main(argv) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 3
+    written = [p.name for p in (tmp_path / "cache").iterdir() if p.name != "jax-compilation"]
+    assert len(written) == 1 and written[0].endswith("-files")
+
+
 def test_gguf_errors(tmp_path):
     model, d = _tiny_hf("llama", False)
     good = tmp_path / "good.gguf"
