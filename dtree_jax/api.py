@@ -413,7 +413,8 @@ def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):
 class Generation:
     tokens: list[list[int]]  # generated ids per request (stop token included, nothing after it)
     # per request: generated, rounds, tau, seconds (until this request stopped: the batch's wall time times
-    # its share of the rounds), tokens_per_second, stop_reason, budget
+    # its share of the rounds), tokens_per_second, stop_reason, method (the one run: "ar" where budget "auto"
+    # chose not to speculate), budget (tree methods)
     stats: list[dict]
     compile_seconds: float  # 0.0 when this generation was already compiled in this process
     seconds: float  # wall time of the whole batch (goodput = sum of generated / seconds)
@@ -456,7 +457,8 @@ def generate(
     then hold the decoded responses).  ``target`` and ``drafter`` are ``Model``s, ``(kind, cfg, params)``
     tuples, or checkpoint paths (converted or HF directories; a target may be a GGUF file).  ``budget`` is the number of non-root tree nodes (tree methods), ``node_topk`` the
     branching cap k, ``corr_topm`` the Domino candidate width M (0 = full vocabulary; default: the reference's, full for
-    ``domino`` and 64 for ``dominotree``).  Temperature 0 is
+    ``domino`` and 64 for ``dominotree``); ``budget="auto"`` asks ``cost.auto_budget`` with the drafter's
+    calibration (or ``calibration``), which may answer 0: then plain ``ar`` runs (``stats[i]["method"]``).  Temperature 0 is
     greedy; above 0 the target is sampled at every node (lossless).  ``stop_ids`` default to the target's
     EOS ids.  Prompts are right-padded to ``prompt_bucket`` (default: the longest rounded up to 16) so
     prompts of one bucket share one compilation.  ``attention_impl`` ("xla" | "pallas") and ``kernel_platform``
@@ -502,6 +504,8 @@ def generate(
     if budget == "auto":
         tree = builders.get_method(method).tree
         budget = auto_budget(load_calibration(calibration, drafter and drafter.path), len(prompts)) if tree else 1
+        if budget == 0:  # the calibration says no tree pays for itself at this batch: do not speculate
+            method, budget = "ar", 1
     spec = make_spec(
         target, drafter, method, budget=budget, node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth,
         max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p,
@@ -546,6 +550,7 @@ def generate(
                 seconds=own,
                 tokens_per_second=len(toks) / own if own > 0 else float("nan"),
                 stop_reason=loop.STOP_REASONS[int(reasons[i])],
+                method=method,
                 budget=spec.budget if spec.record.tree else None,
             )
         )

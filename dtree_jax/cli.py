@@ -105,7 +105,9 @@ def _print_result(args, prompts, chat: bool, result, baseline, tokenizer) -> Non
         if chat:
             print(f">>> {prompt}\n")
         print(("" if chat else prompt) + (text if text is not None else " ".join(map(str, toks))))
-        label = args.method if st["budget"] is None else f"{args.method}, budget {st['budget']}"
+        label = st["method"] if st["budget"] is None else f"{st['method']}, budget {st['budget']}"
+        if st["method"] != args.method:
+            label += f"; budget auto chose not to speculate with {args.method} at this batch"
         line = (f"[{label}] {st['generated']} tokens in {st['rounds']} rounds, tau {st['tau']:.2f}, "
                 f"{st['tokens_per_second']:.1f} tok/s")
         if speedup is not None:

@@ -219,6 +219,17 @@ def test_auto_budget_is_wide_at_small_batch_and_shrinks():
     assert all(x >= y for x, y in zip(chosen, chosen[1:]))
     with pytest.raises(ValueError, match="calibration"):
         auto_budget(dict(tau_by_budget=taus), 1)
+    # Budget 0 (plain ar: tau 1, one token verified) measured on the same machine: ar wins only where the
+    # batch makes every tree compute-bound, and exactly where its rate beats the best tree's.
+    batches = (1, 4, 16, 64, 256)
+    with_ar = dict(tau_by_budget={0: 1.0, **taus},
+                   round_seconds={bs: {n: seconds(bs, n) for n in (0, *taus)} for bs in batches})
+    for bs in batches:
+        best_tree = max(bs * t / seconds(bs, n) for n, t in taus.items())
+        assert (auto_budget(with_ar, bs) == 0) == (bs / seconds(bs, 0) > best_tree)
+    assert auto_budget(with_ar, 1) == 32 and auto_budget(with_ar, 256) == 0
+    with pytest.raises(ValueError, match="tau must be 1"):
+        auto_budget(dict(with_ar, tau_by_budget={0: 1.5, **taus}), 1)
 
 
 def test_generate_auto_budget_uses_the_calibration(models):
@@ -227,7 +238,16 @@ def test_generate_auto_budget_uses_the_calibration(models):
     one = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
     assert one.stats[0]["budget"] == 6
     eight = generate(target, PROMPTS[:1] * 8, "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
-    assert eight.stats[0]["budget"] == 2
+    assert eight.stats[0]["budget"] == 2 and eight.stats[0]["method"] == "dominotree"
+    # With plain ar calibrated (budget 0) and cheaper per token at batch 8, auto runs ar there.
+    cal_ar = dict(tau_by_budget={0: 1.0, **cal["tau_by_budget"]},
+                  round_seconds={1: {0: 1.0, **cal["round_seconds"][1]}, 8: {0: 0.5, **cal["round_seconds"][8]}})
+    one = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal_ar, max_new_tokens=4)
+    assert one.stats[0]["method"] == "dominotree" and one.stats[0]["budget"] == 6
+    eight = generate(target, PROMPTS[:1] * 8, "dominotree", draft, budget="auto", calibration=cal_ar, max_new_tokens=4)
+    assert [s["method"] for s in eight.stats] == ["ar"] * 8 and eight.stats[0]["budget"] is None
+    assert all(s["rounds"] == s["generated"] - 1 for s in eight.stats)  # one token a round: no drafts
+    assert eight.tokens == [generate(target, PROMPTS[:1], "ar", max_new_tokens=4).tokens[0]] * 8
     with pytest.raises(ValueError, match="calibration"):
         generate(target, PROMPTS, "dominotree", draft, budget="auto", max_new_tokens=4)
 
