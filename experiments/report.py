@@ -30,22 +30,33 @@ def _same(r) -> str:
 
 
 def plot_training() -> None:
-    """The SmolLM2 drafter's loss curves (train_smollm2_drafter.json) as train_smollm2_drafter.png."""
+    """The SmolLM2 drafter's loss curves (train_smollm2_drafter.json) as train_smollm2_drafter.png; a run warm
+    started from the earlier drafter is drawn after that run's curves (train_smollm2_drafter_stage1.json)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    d = _load("train_smollm2_drafter.json")
+    last = _load("train_smollm2_drafter.json")
+    earlier = _load("train_smollm2_drafter_stage1.json") if last["recipe"].get("init") else None
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for key, label in (("kd_base", "KD, base rows"), ("kd_final", "KD, corrected rows"), ("loss", "objective")):
-        a.plot(d["steps"], d[key], label=label, lw=1)
-    a.axvline(d["recipe"]["backbone_steps"], color="gray", ls=":", label="head steps start")
+    offset = 0
+    for i, d in enumerate(x for x in (earlier, last) if x):
+        steps = [offset + s for s in d["steps"]]
+        for key, label, color in (("kd_base", "KD, base rows", "C0"), ("kd_final", "KD, corrected rows", "C1"),
+                                  ("loss", "objective", "C2")):
+            a.plot(steps, d[key], label=None if i else label, lw=1, color=color)
+        a.axvline(offset + d["recipe"]["backbone_steps"], color="gray", ls=":",
+                  label=None if i else "head steps start")
+        b.plot(steps, d["top1"], lw=1, color="C0")
+        if i:
+            for ax in (a, b):
+                ax.axvline(offset, color="k", ls="--", lw=1, label="warm start, new data" if ax is a else None)
+        offset += d["step"]
     a.set_yscale("log")
     a.set_xlabel("step")
     a.set_ylabel("nats")
     a.legend(fontsize=8)
-    b.plot(d["steps"], d["top1"], lw=1)
     b.set_xlabel("step")
     b.set_ylabel("top-1 agreement (training batches)")
     fig.tight_layout()
@@ -121,12 +132,15 @@ def main(argv=None) -> None:
             ar = next((r for r in d["rows"] if r["batch"] == bs and r["method"] == "ar"), None)
             rows.append([bs, f"{ar['tokens_per_second']:.1f}" if ar else "-"]
                         + [f"{fixed[b]['tokens_per_second']:.1f}" for b in budgets]
-                        + [f"{auto['tokens_per_second']:.1f} (budget {auto['budget']})", f"{auto['auto_vs_best']:.2f}",
+                        + [f"{auto['tokens_per_second']:.1f} "
+                           + ("(ar)" if auto.get("ran") == "ar" else f"(budget {auto['budget']})"),
+                           f"{auto['auto_vs_best']:.2f}",
+                           f"{auto['auto_vs_best_or_ar']:.2f}" if "auto_vs_best_or_ar" in auto else "-",
                            "yes" if all(r.get("matches_ar") is not False for r in d["rows"] if r["batch"] == bs)
                            else "NO"])
         print("\n### goodput (generated tokens/s over the batch) vs batch size, dominotree\n")
         print(_table(["batch", "ar"] + [f"budget {b}" for b in budgets]
-                     + ["auto", "auto / best fixed", "outputs = ar"], rows))
+                     + ["auto", "auto / best fixed", "auto / best of fixed and ar", "outputs = ar"], rows))
     d = _load("bench_decode.json") if not prefix else None
     if d:
         print("\n### bench_decode\n")

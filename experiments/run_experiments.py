@@ -12,6 +12,7 @@ Parts (each writes experiments/results/exp_<part>.json, and figures under experi
                (correction once per depth along the greedy chain) -> conditional (dominotree)
   goodput      goodput (generated tokens/s over the whole batch) vs batch size 1..64 for fixed budgets and
                ``budget="auto"``; auto is fed a calibration measured first on *other* held-out prompts
+               (ar included as budget 0, so auto may decline to speculate)
                (tau per budget at batch 1, seconds per round per batch and budget), saved beside the drafter
   sampled      the budgets table (fewer budgets) at temperature 0.7 (same seed for every method)
 Every method's greedy output is checked against ar (a mismatch is reported, not hidden).  SmolLM2 prompts are
@@ -66,7 +67,7 @@ class Runner:
         chunks = [prompts[i : i + bs] for i in range(0, n, bs)]
         run = lambda chunk: generate(self.target, chunk, method, self.drafter, **self.knobs, **kw)  # noqa: E731
         run(chunks[0])  # compiles
-        times, tokens, gen, rounds, budget = [], [], 0, 0, None
+        times, tokens, gen, rounds, budget, ran = [], [], 0, 0, None, method
         for _ in range(self.repeats):
             seconds, tokens, gen, rounds = 0.0, [], 0, 0
             for chunk in chunks:
@@ -75,14 +76,14 @@ class Runner:
                 tokens += res.tokens
                 gen += sum(s["generated"] for s in res.stats)
                 rounds += sum(s["rounds"] for s in res.stats)
-                budget = res.stats[0]["budget"]
+                budget, ran = res.stats[0]["budget"], res.stats[0]["method"]
             times.append(seconds)
         sec = statistics.median(times)
         knobs = {k: v for k, v in kw.items() if k not in ("calibration", "budget")}
         row = dict(method=method, batch=bs, prompts=n, generated=gen, rounds=rounds, seconds=sec,
                    tokens_per_second=gen / sec, tau=(gen - n) / max(rounds, 1), budget=budget, **knobs)
         if kw.get("budget") == "auto":
-            row["auto"] = True
+            row.update(auto=True, ran=ran)  # ran: "ar" where auto declined to speculate
         if kw.get("temperature", 0.0) == 0.0:  # sampled outputs follow the target's distribution, not ar's draws
             if method == "ar":
                 self.ar_tokens = tokens
@@ -155,10 +156,13 @@ def part_ladder(run: Runner, budget) -> list[dict]:
 
 
 def calibrate(runner: Runner, budgets, batches) -> dict:
-    """tau per budget (batch 1) and seconds per round per (batch, budget), on the runner's prompts."""
-    taus, seconds = {}, {}
+    """tau per budget (batch 1) and seconds per round per (batch, budget), on the runner's prompts; budget 0 is
+    plain ar (tau 1, seconds per token), so that ``auto`` can decline to speculate."""
+    taus, seconds = {0: 1.0}, {}
     for bs in batches:
-        seconds[bs] = {}
+        row = runner("ar", batch=bs)
+        seconds[bs] = {0: row["seconds"] / max(row["rounds"] / bs, 1)}
+        print(f"  calibrate batch {bs} ar: {seconds[bs][0] * 1e3:.1f} ms/round", flush=True)
         for b in budgets:
             row = runner("dominotree", batch=bs, budget=b)
             chunk_rounds = row["rounds"] / bs  # rows of a batch run the same rounds up to their stops
@@ -186,7 +190,9 @@ def part_goodput(run: Runner, calib: Runner, drafter, budgets, batches) -> dict:
         for r in fixed + [auto]:
             r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
         rows += [ar] + fixed + [dict(auto, best_fixed_budget=best["budget"],
-                                     auto_vs_best=auto["tokens_per_second"] / best["tokens_per_second"])]
+                                     auto_vs_best=auto["tokens_per_second"] / best["tokens_per_second"],
+                                     auto_vs_best_or_ar=auto["tokens_per_second"]
+                                     / max(best["tokens_per_second"], ar["tokens_per_second"]))]
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 4))

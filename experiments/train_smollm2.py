@@ -115,16 +115,34 @@ def run_data(a) -> dict:
     )
 
 
+def _describe_init(path: str) -> dict:
+    """Where a warm start came from: the directory and its weights' SHA-256 (the directory may be overwritten
+    by the export)."""
+    import hashlib
+
+    weights = pathlib.Path(path) / "model.safetensors"
+    return dict(path=str(pathlib.Path(path).resolve()), sha256=hashlib.sha256(weights.read_bytes()).hexdigest())
+
+
 def run_train(a) -> None:
     target = _target(a.target)
     tcfg_dict = json.loads((pathlib.Path(target.path) / "config.json").read_text())
     data = distill.load_shards(a.data)
     taps = data.settings["taps"]
-    dcfg_dict = drafter_config(
-        tcfg_dict, layers=a.layers, block_size=a.block_size, taps=taps, gru=a.gru, emb=a.emb
-    )
+    if a.init:  # warm start: the architecture is the init drafter's
+        from dtree_jax.convert import load_hf, read_config
+
+        dcfg_dict = read_config(a.init)
+        if dcfg_dict.get("dflash_config", {}).get("target_layer_ids") != taps:
+            raise ValueError(f"{a.init} reads target layers other than the data's taps {taps}")
+        _, _, dparams = load_hf(a.init, "float32", progress=False)
+    else:
+        dcfg_dict = drafter_config(
+            tcfg_dict, layers=a.layers, block_size=a.block_size, taps=taps, gru=a.gru, emb=a.emb
+        )
     dcfg = drafter.config_from_hf(dcfg_dict, dtype="float32")
-    dparams = train.init_params(drafter, dcfg, jax.random.key(a.seed + 7))
+    if not a.init:
+        dparams = train.init_params(drafter, dcfg, jax.random.key(a.seed + 7))
     steps = a.backbone_steps + a.head_steps
     tparams, tcfg = target.params, target.cfg
 
@@ -156,6 +174,7 @@ def run_train(a) -> None:
         head_steps=a.head_steps,
         lambda_final=0.3,
         seed=a.seed,
+        init=_describe_init(a.init) if a.init else None,
         data=data.settings,
         sequences=len(data),
     )
@@ -247,6 +266,9 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--taps", type=int, nargs="+", default=[1, 15, 29])
     g = p.add_argument_group("train")
+    g.add_argument(
+        "--init", help="warm start from this HF-layout drafter (its architecture; --layers etc. are ignored)"
+    )
     g.add_argument("--layers", type=int, default=2)
     g.add_argument("--block-size", type=int, default=8)
     g.add_argument("--gru", type=int, default=256)

@@ -259,6 +259,24 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     for method in METHODS[1:]:
         got = generate(target, prompts, method, str(tmp_path / "drafter"), **knobs)
         assert got.tokens == ref.tokens, method
+    # Warm start from the exported drafter: its architecture wins over the flags, and with a vanishing learning
+    # rate one step leaves its weights as they were.
+    warm = [*args[:4], "--ckpt", str(tmp_path / "ckpt-warm"), "--out", str(tmp_path / "warm"), *args[8:]]
+    warm[warm.index("--gru") + 1] = "16"
+    warm += ["--init", str(tmp_path / "drafter"), "--backbone-steps", "0", "--head-steps", "1", "--lr", "1e-12"]
+    ts.main(["train", *warm])
+    again = safetensors.numpy.load_file(str(tmp_path / "warm" / "model.safetensors"))
+    assert again.keys() == tensors.keys()
+    for k in tensors:
+        np.testing.assert_array_equal(again[k], tensors[k], err_msg=k)
+    log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
+    assert log["recipe"]["init"]["path"] == str((tmp_path / "drafter").resolve())
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    (tmp_path / "drafter" / "config.json").write_text(
+        json.dumps(dict(config, dflash_config=dict(config["dflash_config"], target_layer_ids=[0])))
+    )
+    with pytest.raises(ValueError, match="taps"):
+        ts.main(["train", *warm, "--ckpt", str(tmp_path / "ckpt-other")])
 
 
 def test_prompts_come_from_disjoint_files_and_are_reproducible():
