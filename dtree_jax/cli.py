@@ -189,7 +189,8 @@ def add_generate(sub) -> None:
     p.add_argument("--method", choices=tuple(REGISTRY), default="dominotree", help="decoding method")
     p.add_argument("--budget", type=_budget_arg, default=None,
                    help="non-root tree nodes (tree methods), or 'auto': the cost model fed the drafter's "
-                        "calibration.json (default: auto with a drafter)")
+                        "calibration.json, which may choose plain ar where no tree pays (default: auto with a "
+                        "drafter)")
     p.add_argument("--node-topk", type=int, default=8, help="children per tree node (k)")
     p.add_argument("--corr-topm", type=int, default=None,
                    help="Domino candidate width M (0 = full vocabulary; default: full for domino, 64 for "

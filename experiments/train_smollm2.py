@@ -4,6 +4,8 @@
     python experiments/train_smollm2.py train --backbone-steps 1400 --head-steps 600 # then exports; --resume
     python experiments/train_smollm2.py export                                     # HF layout, bf16
     python experiments/train_smollm2.py all ...                                    # data, then train
+    python experiments/train_smollm2.py data --prompts 1600 --seed 1 --data DIR2     # more data (new prompts)
+    python experiments/train_smollm2.py train --data DIR2 --init checkpoints/smollm2-domino --ckpt CKPT2 ...
 
 Data (shards of the target's greedy responses, taps and top-K candidates) goes to ``--data`` (default
 ``<cache>/smollm2-distill``), training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
@@ -90,7 +92,7 @@ def run_data(a) -> dict:
     target = _target(a.target)
     prompts = distill.stdlib_prompts("train", a.prompts, seed=a.seed)
     kept, ids = distill.encode_prompts(target.path, prompts, a.prompt_tokens)
-    held = distill.stdlib_prompts("heldout", a.heldout, seed=a.seed + 1)
+    held = distill.stdlib_prompts("heldout", a.heldout, seed=a.heldout_seed)
     held, _ = distill.encode_prompts(target.path, held, a.prompt_tokens)
     results = pathlib.Path(a.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -259,6 +261,9 @@ def main(argv=None) -> int:
         "--prompts", type=int, default=1000, help="training prompts (chat ones that do not fit are dropped)"
     )
     g.add_argument("--heldout", type=int, default=48, help="held-out prompts saved for the experiments")
+    g.add_argument(
+        "--heldout-seed", type=int, default=1, help="their seed (apart from --seed: more data, same held-out set)"
+    )
     g.add_argument("--prompt-tokens", type=int, default=128)
     g.add_argument("--max-new-tokens", type=int, default=96)
     g.add_argument("--shard-size", type=int, default=32, help="prompts per shard (= the generation batch)")
