@@ -12,8 +12,8 @@ Parts (each writes experiments/results/exp_<part>.json, and figures under experi
                (correction once per depth along the greedy chain) -> conditional (dominotree)
   goodput      goodput (generated tokens/s over the whole batch) vs batch size 1..64 for fixed budgets and
                ``budget="auto"``; auto is fed a calibration measured first on *other* held-out prompts
-               (ar included as budget 0, so auto may decline to speculate)
-               (tau per budget at batch 1, seconds per round per batch and budget), saved beside the drafter
+               (tau per budget at batch 1, seconds per round per batch and budget; plain ar as budget 0, so auto
+               may decline to speculate), saved beside the drafter
   sampled      the budgets table (fewer budgets) at temperature 0.7 (same seed for every method)
 Every method's greedy output is checked against ar (a mismatch is reported, not hidden).  SmolLM2 prompts are
 the held-out chat and continuation prompts of experiments/train_smollm2.py (files no training prompt saw),
@@ -160,16 +160,14 @@ def calibrate(runner: Runner, budgets, batches) -> dict:
     plain ar (tau 1, seconds per token), so that ``auto`` can decline to speculate."""
     taus, seconds = {0: 1.0}, {}
     for bs in batches:
-        row = runner("ar", batch=bs)
-        seconds[bs] = {0: row["seconds"] / max(row["rounds"] / bs, 1)}
-        print(f"  calibrate batch {bs} ar: {seconds[bs][0] * 1e3:.1f} ms/round", flush=True)
-        for b in budgets:
-            row = runner("dominotree", batch=bs, budget=b)
+        seconds[bs] = {}
+        for b in (0, *budgets):
+            row = runner("ar", batch=bs) if b == 0 else runner("dominotree", batch=bs, budget=b)
             chunk_rounds = row["rounds"] / bs  # rows of a batch run the same rounds up to their stops
             seconds[bs][b] = row["seconds"] / max(chunk_rounds, 1)
-            if bs == batches[0]:
+            if bs == batches[0] and b:  # ar's tau is 1 by definition
                 taus[b] = row["tau"]
-            print(f"  calibrate batch {bs} budget {b}: {seconds[bs][b] * 1e3:.1f} ms/round"
+            print(f"  calibrate batch {bs} {f'budget {b}' if b else 'ar'}: {seconds[bs][b] * 1e3:.1f} ms/round"
                   + (f", tau {taus[b]:.2f}" if bs == batches[0] else ""), flush=True)
     return dict(tau_by_budget=taus, round_seconds=seconds, measured_on=machine(), prompts=len(runner.prompts),
                 max_new_tokens=runner.max_new, method="dominotree")
