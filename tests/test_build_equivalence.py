@@ -14,6 +14,8 @@ CASES = [
     (3, 5, 5, 3, 12),
     (8, 1, 2, 2, 12),  # fewer candidates than budget: dead-leaf padding
     (8, 1, 5, 3, 2),  # W < k
+    (8, 1, 12, 3, 24),  # deep: depths 3-10 run as the frontier's lax.scan at one lane width
+    (0, 2, 14, 2, 20),  # deep, full vocabulary, two uncorrected depths before the scan
 ]
 
 
@@ -43,7 +45,8 @@ def test_dominotree_frontier_equals_heap_batch_sizes(batch):
 
 
 @pytest.mark.parametrize(
-    "method, case", [("ddtree", CASES[0]), ("condstatic", CASES[5])], ids=["ddtree", "condstatic"]
+    "method, case", [("ddtree", CASES[0]), ("condstatic", CASES[5]), ("ddtree", CASES[7])],
+    ids=["ddtree", "condstatic", "ddtree-scan"]
 )
 def test_menu_scorers_frontier_equals_heap(method, case):
     check(method, case, batch=3)

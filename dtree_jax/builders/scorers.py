@@ -6,7 +6,8 @@ their path states?", batched over requests ``B`` and lanes ``W`` (nodes scored i
 
 Protocol (duck-typed; every scorer is a registered dataclass pytree, static knobs as meta fields):
   * ``k`` (children per node), ``num_depths`` (K), ``initial_state`` ``[B, S]`` (the root's path state);
-  * ``scores(d, state [B, W, S]) -> (tokens [B, W, k] int32, logprobs [B, W, k] f32)``, ``d`` a Python int,
+  * ``scores(d, state [B, W, S]) -> (tokens [B, W, k] int32, logprobs [B, W, k] f32)``, ``d`` a Python int
+    or, from ``first_dynamic_depth`` on, a traced int32 scalar (the frontier's ``lax.scan`` over depths),
     children sorted by descending log-prob (stable top-k: equal values keep the lower token/candidate index);
   * ``advance(state [..., S], tokens [...]) -> [..., S]``: the path state after appending ``tokens``;
   * ``request(b)``: the same scorer restricted to request ``b`` (batch 1), for the host heap.
@@ -83,6 +84,8 @@ class MenuScorer:
     def num_depths(self) -> int:
         return self.tokens.shape[1]
 
+    first_dynamic_depth = 0  # any depth may be traced
+
     @property
     def initial_state(self) -> jax.Array:  # [B, 0]: no path state
         return jnp.zeros((self.tokens.shape[0], 0), jnp.float32)
@@ -140,8 +143,12 @@ class DominoScorer:
     def initial_state(self) -> jax.Array:  # [B, G]
         return self.root_state.astype(jnp.float32)
 
-    def scores(self, d: int, state: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, W, G] -> 2x [B, W, k]
-        if d < self.P:
+    @property
+    def first_dynamic_depth(self) -> int:  # the uncorrected prefix depths are chosen by a Python branch
+        return self.P
+
+    def scores(self, d, state: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, W, G] -> 2x [B, W, k]
+        if isinstance(d, int) and d < self.P:
             return self.prefix.scores(d, state)
         ph = self.ph[:, d, None]  # [B, 1, H], broadcast over lanes
         if self.cand is None:
