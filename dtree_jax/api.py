@@ -293,32 +293,44 @@ def make_spec(
 
 
 
-def trace_generation(target: Model, drafter: Model | None, method: str, *, batch: int = 1,
-                     prompt_bucket: int = 16, temperature: float = 0.0, mesh=None, **knobs) -> jax.stages.Traced:
-    """``generate_on_device`` (prefill + the while_loop) traced for ``batch`` prompts of one bucket, without
-    running it; params may be abstract (``abstract_params``; on a ``mesh`` they get the table's shardings).
-    ``.lower(lowering_platforms=("tpu",))`` then cross-lowers the whole generation (give the configs a fixed
-    ``kernel_platform`` to get that platform's kernels: ``with_kernels``); ``.lower().compile()`` compiles it
-    for this machine.  ``knobs`` go to ``make_spec`` (defaults: budget 8, k 4, 16 new tokens)."""
+def abstract_generation(target: Model, drafter: Model | None, method: str, *, batch: int = 1,
+                        prompt_bucket: int = 16, mesh=None, **knobs) -> tuple[loop.Spec, tuple]:
+    """The static ``Spec`` and the abstract arguments of ``generate_on_device`` for ``batch`` prompts of one
+    bucket: params (``abstract_params``, or any params: only their shapes are kept), prompts, lengths, the
+    requests' keys and the temperature, all ``jax.ShapeDtypeStruct`` (on a ``mesh``, with the table's
+    shardings), so the generation traces on compile-only devices too.  ``knobs`` go to ``make_spec``
+    (defaults: budget 8, k 4, 16 new tokens)."""
     knobs = dict(dict(budget=8, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=16, stop_ids=(),
                       top_k=0, top_p=1.0), **knobs)
     mesh = sharding.as_mesh(mesh)
     target, drafter = _for_mesh(target, mesh), _for_mesh(drafter, mesh)
     spec = make_spec(target, drafter, method, prompt_bucket=prompt_bucket, mesh=mesh, **knobs)
-    drafts = builders.get_method(method).drafts
-    tparams, dparams = target.params, drafter.params if drafts else None
+    shape = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)  # noqa: E731
+    tparams = shape(target.params)
+    dparams = shape(drafter.params) if spec.record.drafts else None
     prompts = jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    key = request_keys(0, batch)
+    keys = jax.ShapeDtypeStruct((batch,), jax.random.key(0).dtype)
+    temp = jax.ShapeDtypeStruct((), jnp.float32)
     if mesh is not None:
         with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
         on_mesh = lambda tree, cfg: jax.tree.map(with_sharding, tree, sharding.shardings(tree, mesh, cfg))  # noqa: E731
         tparams = on_mesh(tparams, target.cfg)
-        dparams = on_mesh(dparams, drafter.cfg) if drafts else None
-        prompts, lens = (with_sharding(x, _batch_sharding(mesh, x.shape)) for x in (prompts, lens))
-        key = sharding.put(key, _batch_sharding(mesh, key.shape))
-    with _mesh_context(mesh):
-        return loop.generate_on_device.trace(spec, tparams, dparams, prompts, lens, key, jnp.float32(temperature))
+        dparams = on_mesh(dparams, drafter.cfg) if dparams is not None else None
+        prompts, lens, keys = (with_sharding(x, _batch_sharding(mesh, x.shape)) for x in (prompts, lens, keys))
+        temp = with_sharding(temp, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return spec, (tparams, dparams, prompts, lens, keys, temp)
+
+
+def trace_generation(target: Model, drafter: Model | None, method: str, **kwargs) -> jax.stages.Traced:
+    """``generate_on_device`` (prefill + the while_loop) traced from ``abstract_generation``'s arguments (same
+    keywords), without running it.  ``.lower(lowering_platforms=("tpu",))`` then cross-lowers the whole
+    generation (give the configs a fixed ``kernel_platform`` to get that platform's kernels: ``with_kernels``);
+    ``.lower().compile()`` compiles it for the mesh's devices (this machine's without a mesh); ``dtree_jax.aot``
+    compiles it for a named chip."""
+    spec, args = abstract_generation(target, drafter, method, **kwargs)
+    with _mesh_context(spec.mesh):
+        return loop.generate_on_device.trace(spec, *args)
 
 
 def _for_mesh(model: Model | None, mesh) -> Model | None:

@@ -1,6 +1,6 @@
-"""The dtree-jax command line: demo, convert, generate.
+"""The dtree-jax command line: demo, convert, compile, generate.
 
-``demo`` and ``convert`` register their parsers from their own modules (``add_cli``); ``generate`` lives
+``demo``, ``convert`` and ``compile`` register their parsers from their own modules (``add_cli``); ``generate`` lives
 here, on top of ``dtree_jax.api``.  Expected errors (bad flags, missing or malformed files, knobs out of
 range) print one line, ``dtree-jax: error: ...``, and exit 2; ``--debug`` shows the traceback instead.
 """
@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 # Modules that register subcommands besides generate, in help order; imported lazily (fast --help).
-_SUBCOMMAND_MODULES = ("dtree_jax.demo", "dtree_jax.convert")
+_SUBCOMMAND_MODULES = ("dtree_jax.demo", "dtree_jax.convert", "dtree_jax.aot")
 SHIPPED_DRAFTER = "smollm2-domino"  # the main job's drafter; its target is SmolLM2-135M-Instruct's GGUF
 SHIPPED_TINY = ("tiny-target", "tiny-domino")  # the byte-level pair of the fast tests
 DEFAULT_REQUEST = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."

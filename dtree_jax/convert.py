@@ -66,8 +66,8 @@ _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def read_config(path: str | Path) -> dict:
-    """The parsed ``config.json`` of a model directory."""
-    file = Path(path) / "config.json"
+    """The parsed ``config.json`` of a model directory (or that JSON file itself)."""
+    file = Path(path) if Path(path).suffix == ".json" and Path(path).is_file() else Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{file}: not found (expected a model directory with config.json)")
     try:
@@ -697,6 +697,29 @@ def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[s
     raise ValueError(
         f"{path}: neither a converted model ({META_FILE}), an HF model directory (config.json) nor a .gguf file"
     )
+
+
+def abstract_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
+    """``(kind, cfg, params of jax.ShapeDtypeStruct)`` from a model's config alone, no weight read: a
+    ``config.json`` file, an HF or converted model directory, or a GGUF file (its metadata).  ``dtype`` None:
+    the converted dtype, else the config's ``dtype`` / ``torch_dtype`` (float32 when it names none).  For
+    compiling ahead of time (``dtree_jax.aot``)."""
+    path = Path(path)
+    if path.suffix == ".json" and path.is_file():
+        config_file = path
+    elif path.is_file() and not is_gguf(path):
+        raise ValueError(f"{path}: expected a config.json file, a model directory or a .gguf file")
+    else:
+        path = model_dir(path, weights=False)  # a GGUF file: its config, written from the metadata
+        config_file = path / "config.json"
+        if dtype is None and (path / META_FILE).is_file():
+            dtype = _read_meta(path)["dtype"]
+    config = read_config(config_file if config_file.is_file() else path)
+    kind = model_kind(config, config_file)
+    module = model_module(kind)
+    resolved = _dtype(dtype, config)
+    cfg = _config_from_hf(module, config, config_file, resolved)
+    return kind, cfg, module.abstract_params(cfg, resolved)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ Sections, each recorded in the JSON (``--out``; default ``$OUT/gpu_check.json`` 
 ``experiments/results/gpu_check.json``, ``gpu_check_smoke.json`` for ``--smoke``):
   1. copy bandwidth: time of a large on-device array copy (read + write), the roofline for the rest;
   2. errors: Pallas kernel vs ``reference_tree_attention`` (fp32 at highest matmul precision, and bf16);
-  3. the kernels in the real loop (``loop_checks``): every method's whole jitted generation lowered with the
-     kernels forced to GPU and to TPU (kernel calls counted), then short runs of ar / dflash / dominotree on the
+  3. the kernels in the real loop (``loop_checks``): every method's whole generation compiled through
+     ``aot.compile_for`` (the path of ``dtree-jax compile``) for this machine and for a v5e chip (kernel calls,
+     memory, fit), then short runs of ar / dflash / dominotree on the
      shipped pair (fp32, bf16) and a random hybrid GDN target with ``attention_impl="pallas"`` vs ``"xla"``
      (runs stop once 72 % of the budget is left);
   4. timing grid at the Qwen3-8B attention shape (H=32, Hkv=8, D=128, bf16): kernel vs XLA masked attention
@@ -36,6 +37,10 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtree_jax import chips  # noqa: E402
+
+chips.allow_compile_only()  # before JAX starts its backends: the v5e compile needs libtpu without a TPU lock
 
 from dtree_jax.tree import ancestor_mask  # noqa: E402
 from pallas_kernels.tree_attention import reference_tree_attention, tree_attention  # noqa: E402
@@ -346,31 +351,30 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def loop_checks(smoke: bool, clock: Clock, stop_at: float, out: dict, save: Callable[[], None]) -> None:
-    """a. ``lowering``: each method's whole generation (prefill + while_loop) lowered with the kernels forced to
-    GPU (cuda) and TPU, kernel calls counted (``models.kernels.lowered_kernel_calls``; on GPU the tree-GDN
-    verify takes the XLA path on purpose).  b. ``runs``: each method generated with ``attention_impl="xla"``
+    """a. ``compiles``: each method's whole generation (prefill + while_loop) compiled through ``aot.compile_for``
+    (the path of ``dtree-jax compile``) for this machine's devices with their kernels and for a v5e chip (needs
+    libtpu), kernel calls and memory recorded (on GPU the tree-GDN verify takes the XLA path on purpose).  b. ``runs``: each method generated with ``attention_impl="xla"``
     and ``"pallas"`` (this machine's kernels: Triton on GPU, interpret mode for ``--smoke``), tokens compared,
     and each pallas method compared with pallas ``ar`` (lossless)."""
-    from dtree_jax import api
-    from dtree_jax.models import kernels
+    from dtree_jax import aot, api
 
     platform = "cpu" if smoke else "gpu"
     models = loop_models(smoke)
     methods = ("ar", "dominotree") if smoke else LOOP_METHODS
-    lowering = out.setdefault("lowering", [])
-    for kp, lp in (("gpu", "cuda"), ("tpu", "tpu")):
+    compiles = out.setdefault("compiles", [])
+    for chip in ("attached", "v5e-1"):  # what `dtree-jax compile` does, for this GPU and for a TPU
         for name, (target, draft) in models.items():
             for method in methods:
-                row = dict(platform=lp, target=name, method=method)
+                row = dict(chip=chip, target=name, method=method)
                 try:
-                    t, d = (api.with_kernels(m, "pallas", kp) for m in (target, draft))
-                    text = api.trace_generation(t, d, method).lower(lowering_platforms=(lp,)).as_text()
-                    calls = kernels.lowered_kernel_calls(text)
-                    row.update(calls=calls, ok=calls["triton" if kp == "gpu" else "mosaic"] > 0)
+                    report = aot.compile_for(target, draft, method, chip, budget=8, max_new_tokens=16)
+                    row.update({k: report.to_dict()[k] for k in ("kernel_calls", "seconds", "memory", "fits",
+                                                                  "error")})
                 except Exception as e:
-                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-                lowering.append(row)
-                print(f"  lower {lp:4s} {name:11s} {method:10s}: {row.get('calls', row.get('error'))}")
+                    row.update(fits=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                compiles.append(row)
+                print(f"  compile {chip:8s} {name:11s} {method:10s}: {row.get('kernel_calls')} fits {row['fits']}"
+                      + (f" ({row['error']})" if row.get("error") else ""))
     save()
 
     prompts = [list(p.encode("utf-8")) for p in LOOP_PROMPTS[: 1 if smoke else 2]]  # the shipped byte tokenizer
@@ -442,7 +446,7 @@ def main(argv=None):
     print("2. kernel vs reference")
     res["errors"] = error_checks(cfg, interpret)
     save()
-    print("3. kernels in the real loop (whole-generation lowering; short runs, pallas vs xla)")
+    print("3. kernels in the real loop (whole-generation compiles; short runs, pallas vs xla)")
     res["loop"] = {}
     try:
         loop_checks(args.smoke, clock, 0.72 * args.budget_s, res["loop"], save)
@@ -464,8 +468,8 @@ def main(argv=None):
     print("                               |   kernel      xla     sdpa |  kernel GB/s")
     for r in res["grid"]:
         print(fmt_row(r))
-    low, runs = res["loop"].get("lowering", []), res["loop"].get("runs", [])
-    print(f"loop: {sum(r['ok'] for r in low)}/{len(low)} whole-generation lowerings with kernels; "
+    low, runs = res["loop"].get("compiles", []), res["loop"].get("runs", [])
+    print(f"loop: {sum(r['fits'] for r in low)}/{len(low)} whole-generation compiles with kernels; "
           f"{sum(r.get('same_tokens', False) for r in runs)}/{len(runs)} runs pallas == xla; "
           f"{sum(r.get('pallas_equals_ar') is True for r in runs)}/{sum(r['method'] != 'ar' for r in runs)} "
           "pallas methods == pallas ar")

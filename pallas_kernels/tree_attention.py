@@ -218,7 +218,7 @@ def _tpu_kernel(
         o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv, interpret):
+def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv, interpret, vmem_limit_bytes=None):
     """qr [B, Hkv, R, D], kf/vf [B, S, Hkv*D], lens [B], bits [B, R, W] int32 -> [B, Hkv, R, D] in qr.dtype."""
     b, hkv, r, d = qr.shape
     s, words = kf.shape[1], bits.shape[2]
@@ -248,7 +248,8 @@ def _tpu_call(qr, kf, vf, lens, bits, *, scale, t, g, window, block_q, block_kv,
         functools.partial(_tpu_kernel, scale=scale, t=t, words=words, g=g, window=window),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, qr.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
     )(lens, qr, kf, vf, bits)
 
@@ -432,6 +433,7 @@ def tree_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    vmem_limit_bytes: int | None = None,
 ) -> jax.Array:  # [B, T, H, D]
     """Pallas version of ``reference_tree_attention`` (same arguments and result, fp32 accumulation).
 
@@ -443,6 +445,7 @@ def tree_attention(
     block_kv: kv rows per tile (default from ``block_sizes``: 512 on TPU, 64 on GPU at D <= 128; the TPU needs
     a multiple of 128 unless it covers the whole cache, the GPU a power of two).  block_q: query rows
     (``T * H / Hkv``) per tile (default: all of them up to ``block_sizes``' limit).  num_splits, num_warps, num_stages: GPU only.
+    vmem_limit_bytes: TPU only, the kernel's scoped VMEM limit (default: the compiler's, 16 MiB on v5e).
     Any T, H, Hkv, D, S work: the wrapper pads rows, D and S as the backend needs and slices the result.
     Padding D (to a multiple of 128 on TPU when Hkv > 1, to a power of two on GPU) or S (to a multiple of
     block_kv) copies the cache; production shapes (D = 128, block_kv dividing S) copy nothing.
@@ -494,7 +497,7 @@ def tree_attention(
 
     if backend == "tpu":
         out = _tpu_call(qr, kf, vf, lens, bits, scale=scale, t=t, g=g, window=window, block_q=block_q,
-                        block_kv=block_kv, interpret=interpret)
+                        block_kv=block_kv, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
     else:
         groups = b * hkv * (r // block_q)
         splits = num_splits or max(1, min(sp // block_kv, 256 // groups))

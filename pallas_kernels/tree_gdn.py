@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.delta_rule import HIGHEST, gdn_step, l2norm, normalize_qk
 
@@ -109,8 +110,8 @@ def _tree_gdn_kernel(
     gp_ref[...] = g_col
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
+@functools.partial(jax.jit, static_argnames=("interpret", "vmem_limit_bytes"))
+def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret, vmem_limit_bytes=None):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[-2:]
     rep = hv // hk
@@ -135,6 +136,7 @@ def _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret):
             jax.ShapeDtypeStruct((bsz, hv, n, dv), jnp.float32),
             jax.ShapeDtypeStruct((bsz, hv, n, 1), jnp.float32),
         ],
+        compiler_params=None if vmem_limit_bytes is None else pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
     )(heads_first(q), heads_first(k), heads_first(v), gh, jnp.swapaxes(gh, -1, -2), bh,
       state0.astype(jnp.float32), mask.astype(jnp.float32))
@@ -151,6 +153,7 @@ def tree_gdn(
     mask: jax.Array,  # [B, N, N] bool ancestor-or-self mask of the tree
     *,
     interpret=False,  # bool, or a pltpu.InterpretParams for the TPU-semantics interpreter
+    vmem_limit_bytes: int | None = None,  # the kernel's scoped VMEM limit (default: the compiler's)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (o [B, N, Hv, dv] in q.dtype, u [B, N, Hv, dv], G [B, N, Hv])
     """Pallas (TPU-style) tree-WY verify, grid (B, Hv); ``(I + A)^-1`` by nilpotent squaring (matmuls only).
 
@@ -166,4 +169,4 @@ def tree_gdn(
     if mask.shape != q.shape[:2] + q.shape[1:2]:
         raise ValueError(f"mask must be [B, N, N] = {q.shape[:2] + q.shape[1:2]}, got {mask.shape}")
     g, beta, state0 = g.astype(jnp.float32), beta.astype(jnp.float32), state0.astype(jnp.float32)
-    return _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret)
+    return _tree_gdn_call(q, k, v, g, beta, state0, mask, interpret, vmem_limit_bytes)
