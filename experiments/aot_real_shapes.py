@@ -1,44 +1,48 @@
-"""AOT-compiles the whole dominotree generation (prefill + the while loop) at real model sizes on this CPU, with
-abstract params (no weights): Qwen3-8B + its Domino drafter, Qwen3.6-27B + its Domino drafter, Qwen3-Next-80B-A3B
-+ a Domino drafter of the same recipe (none is released), on meshes of 1, 4 and 8 host devices (1x1, 1x4, 2x4;
-``--meshes 1x8`` adds tensor parallelism over all 8).
+"""Compiles the whole dominotree generation (prefill + the while loop, the chip's Pallas kernels) at real model
+sizes for real chips on this CPU, with abstract params (no weights), through ``dtree_jax.aot.compile_for``: Qwen3-8B
++ its Domino drafter, Qwen3.6-27B (hybrid, with the tree-GDN kernel) + its Domino drafter, Qwen3-Next-80B-A3B (MoE)
++ a Domino drafter of the same recipe (none is released), each on the smallest TPU slice and GPU count that hold
+it, and the 8B on one v5e chip, which does not (the TPU compiler refuses it; the row says so).
 
-Records per configuration: trace, lower and compile seconds, ``compiled.memory_analysis()`` per device
-(argument, output, temp bytes), the analytic estimate (``api.memory_estimate``: params and caches as the
-sharding table splits them, a round's logits and attention scores) and which per-device memories it fits.
-Results: ``experiments/results/aot_real_shapes.json``; ``experiments/report.py --aot`` prints the README table.
+Records per configuration: trace, lower and compile seconds, the kernel calls, ``compiled.memory_analysis()`` per
+device, whether it fits and the compiler's one-line refusal when it does not.  Results:
+``experiments/results/aot_real_shapes.json`` (rows kept across runs, keyed by model, chip and layer count);
+``--table`` prints the README table.
 
-    python experiments/aot_real_shapes.py                      # every model, meshes 1 / 4 / 8
-    python experiments/aot_real_shapes.py --models qwen3-8b --meshes 1x1
+    python experiments/aot_real_shapes.py                        # every row (about an hour on 2 cores)
+    python experiments/aot_real_shapes.py --rows qwen3-8b@v5e-4  # one
+    python experiments/aot_real_shapes.py --rows qwen3-8b@v5e-4 --layers 9   # compile time vs depth
 
-Shapes: bf16 params and caches, batch 8, a 512-token prompt bucket (one prefill pass) and caches of
-``--context`` rows (32K), budget 16.  The CPU compiler upcasts bf16 dots to fp32 and keeps those copies as
-temporaries, so its temp bytes are not what an accelerator needs; they are recorded but the fit is judged on
-the arguments (exact: the params each device holds), the caches as the table splits them (made inside the
-program, so the CPU counts them as temp) and the analytic activations of a round.
+Shapes: bf16 params and caches, batch 1, a 512-token prompt bucket, 4096 cache rows, budget 32 (the settings of
+the first measurements in ../shared/reference/chips.md), the model axis over every device of the slice.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from dtree_jax import chips  # noqa: E402
+
+chips.allow_compile_only()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dtree_jax import api  # noqa: E402
-from dtree_jax.models import drafter, qwen3, qwen3_5, sharding  # noqa: E402
+from dtree_jax import aot, api  # noqa: E402
+from dtree_jax.models import drafter, qwen3, qwen3_5  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "aot_real_shapes.json"
 GIB = 2**30
-DEVICE_MEMORIES = {"16 GiB": 16 * GIB, "32 GiB": 32 * GIB, "141 GiB": 141 * GIB}
-MESHES = {"1x1": (1, 1), "1x4": (1, 4), "2x4": (2, 4), "1x8": (1, 8)}  # data x model
+ROWS = ("qwen3-8b@v5e-1", "qwen3-8b@v5e-4", "qwen3-8b@v6e-4", "qwen3-8b@h200", "qwen3.6-27b@v5e-8",
+        "qwen3.6-27b@h200", "qwen3-next-80b@v5e-16", "qwen3-next-80b@h200-2")
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -81,103 +85,79 @@ MODELS = {
 }
 
 
-def abstract_models(name: str, dtype=jnp.bfloat16):
+def abstract_models(name: str, dtype=jnp.bfloat16, layers: int | None = None):
+    """The target and drafter of ``MODELS[name]`` with abstract params; ``layers`` cuts the target's depth (the
+    drafter's taps kept inside it), for measuring compile time against depth."""
     module, tcfg_dict, dcfg_dict, _ = MODELS[name]
+    if layers is not None:
+        tcfg_dict = dict(tcfg_dict, num_hidden_layers=layers)
+        taps = [min(i, layers - 1) for i in dcfg_dict["dflash_config"]["target_layer_ids"]]
+        dcfg_dict = dict(dcfg_dict, num_target_layers=layers,
+                         dflash_config=dict(dcfg_dict["dflash_config"], target_layer_ids=sorted(set(taps))))
     tcfg = module.config_from_hf(tcfg_dict, dtype=dtype)
     dcfg = drafter.config_from_hf(dcfg_dict, dtype=dtype)
     kind = "qwen3" if module is qwen3 else "qwen3_5"
-    return (api.Model(kind, tcfg, module.abstract_params(tcfg, dtype)),
-            api.Model("drafter", dcfg, drafter.abstract_params(dcfg, dtype)))
+    return (api.Model(kind, tcfg, module.abstract_params(tcfg, dtype), name),
+            api.Model("drafter", dcfg, drafter.abstract_params(dcfg, dtype), name + "-domino"))
 
 
-def one(name: str, shape: str, args) -> dict:
-    target, draft = abstract_models(name)
-    data, model = MESHES[shape]
-    devices = data * model
-    mesh = sharding.make_mesh(data, model) if devices > 1 else None
-    knobs = dict(budget=args.budget, max_new_tokens=args.context - args.prompt_bucket - 64,
-                 cache_len=args.context)
-    t0 = time.perf_counter()
-    traced = api.trace_generation(target, draft, "dominotree", batch=args.batch, prompt_bucket=args.prompt_bucket,
-                                  mesh=mesh, **knobs)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    mem = compiled.memory_analysis()
+def one(row: str, args) -> dict:
+    name, chip = row.split("@")
+    target, draft = abstract_models(name, layers=args.layers)
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
-    row = dict(
-        model=name, devices=devices, mesh=dict(data=data, model=model), batch=args.batch,
-        prompt_bucket=args.prompt_bucket, context=args.context, budget=args.budget, dtype="bfloat16",
-        target_params=count(target.params), drafter_params=count(draft.params), drafter=MODELS[name][3],
-        trace_seconds=round(t1 - t0, 2), lower_seconds=round(t2 - t1, 2), compile_seconds=round(t3 - t2, 2),
-        total_seconds=round(t3 - t0, 2),
-        memory_analysis=dict(argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
-                             temp_bytes=int(mem.temp_size_in_bytes),
-                             alias_bytes=int(mem.alias_size_in_bytes)),
-    )
-    return with_estimate(row)
+    report = aot.compile_for(target, draft, "dominotree", chip, batch=args.batch, prompt_bucket=args.prompt_bucket,
+                             cache_len=args.context, budget=args.budget,
+                             max_new_tokens=args.context - args.prompt_bucket - 64)
+    return dict(model=name, layers=target.cfg.num_layers, target_params=count(target.params),
+                drafter_params=count(draft.params), drafter_recipe=MODELS[name][3], **report.to_dict())
 
 
-def with_estimate(row: dict) -> dict:
-    """``row`` plus the analytic estimate of its configuration (the models set up for the mesh as ``generate``
-    does: ``sharding.for_mesh``) and the fit: the compiled arguments (the params) + the caches + a round's
-    activations.  The caches are made inside the program, so the CPU counts them in its temp bytes."""
-    target, draft = abstract_models(row["model"])
-    mesh = sharding.make_mesh(row["mesh"]["data"], row["mesh"]["model"]) if row["devices"] > 1 else None
-    target = api.Model(target.kind, sharding.for_mesh(target.cfg, mesh), target.params)
-    draft = api.Model(draft.kind, sharding.for_mesh(draft.cfg, mesh), draft.params)
-    spec = api.make_spec(target, draft, "dominotree", budget=row["budget"], node_topk=4, corr_topm=None,
-                         max_depth=None, max_new_tokens=row["context"] - row["prompt_bucket"] - 64,
-                         prompt_bucket=row["prompt_bucket"], stop_ids=(), top_k=0, top_p=1.0,
-                         cache_len=row["context"], mesh=mesh)
-    est = api.memory_estimate(spec, target, draft, row["batch"])
-    need = row["memory_analysis"]["argument_bytes"] + est["cache"] + est["logits"] + est["tree"]
-    return dict(row, estimate_bytes={k: int(v) for k, v in est.items()}, per_device_bytes=int(need),
-                fits={k: need <= v for k, v in DEVICE_MEMORIES.items()})
+def table(rows: list[dict]) -> str:
+    lines = ["| model | layers | chip | mesh | kernel calls | compiles | seconds (trace + lower + compile) | "
+             "GiB per chip (args + temp) | fits |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        secs = r["seconds"]
+        total = sum(secs.values())
+        mem = r["memory"]
+        gib = (f"{r['needed'] / GIB:.2f} ({mem['argument'] / GIB:.2f} + {mem['temp'] / GIB:.2f}) of "
+               f"{r['memory_limit'] / GIB:.0f}" if mem else f"- of {r['memory_limit'] / GIB:.0f}")
+        calls = ", ".join(f"{k} {v}" for k, v in r["kernel_calls"].items())
+        fits = "yes" if r["fits"] else f"no: {r['error']}"
+        lines.append(f"| {r['model']} | {r['layers']} | {r['chip']} | {r['mesh']['data']}x{r['mesh']['model']} | "
+                     f"{calls} | {'yes' if r['memory'] else 'refused'} | {total:.0f} ({secs['trace']:.0f} + "
+                     f"{secs['lower']:.0f} + {secs['compile']:.0f}) | {gib} | {fits} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
-    p.add_argument("--meshes", nargs="+", choices=tuple(MESHES), default=("1x1", "1x4", "2x4"),
-                   help="data x model mesh shapes")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=32768, help="cache rows per request")
+    p.add_argument("--rows", nargs="+", default=ROWS, help="model@chip, e.g. qwen3-8b@v5e-4")
+    p.add_argument("--layers", type=int, default=None, help="cut the target to this many layers")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096, help="cache rows per request")
     p.add_argument("--prompt-bucket", type=int, default=512)
-    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--budget", type=int, default=32)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--estimates-only", action="store_true",
-                   help="recompute the analytic estimates and fits of the rows in --out, compiling nothing")
+    p.add_argument("--table", action="store_true", help="print the README table from --out and exit")
     args = p.parse_args(argv)
-    if args.estimates_only:
-        d = json.loads(args.out.read_text())
-        d["rows"] = [with_estimate(r) for r in d["rows"]]
-        args.out.write_text(json.dumps(d, indent=1) + "\n")
+    key = lambda r: (r["model"], r["chip"], r["layers"])  # noqa: E731
+    read = lambda: {key(r): r for r in (json.loads(args.out.read_text()) if args.out.is_file() else {}).get(  # noqa: E731
+        "rows", [])}
+    if args.table:
+        print(table(list(read().values())))
         return 0
-    most = max(MESHES[m][0] * MESHES[m][1] for m in args.meshes)
-    if len(jax.devices()) < most:
-        p.error(f"{most} devices needed, {len(jax.devices())} visible (XLA_FLAGS was set elsewhere?)")
-    old = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    key = lambda r: (r["model"], r["mesh"]["data"], r["mesh"]["model"])  # noqa: E731
-    rows = {key(r): r for r in old.get("rows", [])}
-    for name in args.models:
-        for shape in args.meshes:
-            print(f"{name} on a {shape} mesh ...", file=sys.stderr, flush=True)
-            r = one(name, shape, args)
-            rows[key(r)] = r
-            m = r["memory_analysis"]
-            print(f"  compile {r['total_seconds']} s (trace {r['trace_seconds']}, lower {r['lower_seconds']}, "
-                  f"compile {r['compile_seconds']}); per device: arguments {m['argument_bytes'] / GIB:.2f} GiB, "
-                  f"temp (CPU) {m['temp_bytes'] / GIB:.2f} GiB, need {r['per_device_bytes'] / GIB:.2f} GiB",
-                  file=sys.stderr, flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            machine = dict(cpu_cores=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend(),
-                           host_devices=len(jax.devices()))
-            args.out.write_text(json.dumps(dict(machine=machine, rows=sorted(
-                rows.values(), key=lambda r: (list(MODELS).index(r["model"]), r["devices"], r["mesh"]["model"]))),
-                indent=1) + "\n")
+    for row in args.rows:
+        if row.split("@")[0] not in MODELS or "@" not in row:
+            p.error(f"--rows: {row!r} is not model@chip with a model from {sorted(MODELS)}")
+        print(f"{row} ...", file=sys.stderr, flush=True)
+        r = one(row, args)
+        rows = read()  # as it is now: another run may have added rows meanwhile
+        rows[key(r)] = r
+        print(table([r]).splitlines()[-1], file=sys.stderr, flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        machine = dict(cpu_cores=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend())
+        order = lambda r: (list(MODELS).index(r["model"]), -r["layers"], r["chip"])  # noqa: E731
+        args.out.write_text(json.dumps(dict(machine=machine, rows=sorted(rows.values(), key=order)), indent=1) + "\n")
     return 0
 
 

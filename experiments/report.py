@@ -65,24 +65,13 @@ def plot_training() -> None:
 
 def aot_tables() -> None:
     """The AOT compile / memory table (aot_real_shapes.json) and the sharded-run overhead (bench_sharded.json)."""
-    gib = 2**30
     d = _load("aot_real_shapes.json")
     if d:
+        from experiments.aot_real_shapes import table
+
         m = d["machine"]
-        print(f"### Whole dominotree generation compiled ahead of time ({m['cpu_cores']} CPU cores, jax {m['jax']}, "
-              f"{m['host_devices']} host devices)\n")
-        rows = []
-        for r in d["rows"]:
-            mem, est = r["memory_analysis"], r["estimate_bytes"]
-            rows.append([r["model"], f"{(r['target_params'] + r['drafter_params']) / 1e9:.1f} B",
-                         f"{r['devices']} ({r['mesh']['data']}x{r['mesh']['model']})", f"{r['total_seconds']:.1f}",
-                         f"{mem['argument_bytes'] / gib:.2f}", f"{est['cache'] / gib:.2f}",
-                         f"{(est['logits'] + est['tree']) / gib:.2f}", f"{r['per_device_bytes'] / gib:.2f}",
-                         f"{mem['temp_bytes'] / gib:.1f}",
-                         " / ".join("yes" if r["fits"][k] else "no" for k in ("16 GiB", "32 GiB", "141 GiB"))])
-        print(_table(["model + drafter", "params", "devices (data x model)", "compile s", "params GiB/dev",
-                      "caches GiB/dev", "round activations GiB/dev", "needs GiB/dev", "CPU temp GiB/dev",
-                      "fits 16 / 32 / 141 GiB"], rows))
+        print(f"### Whole dominotree generation compiled for chips ({m['cpu_cores']} CPU cores, jax {m['jax']})\n")
+        print(table(d["rows"]))
         print()
     d = _load("bench_sharded.json")
     if d:
