@@ -20,11 +20,9 @@ the first measurements in ../shared/reference/chips.md), the model axis over eve
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

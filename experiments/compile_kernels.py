@@ -82,7 +82,7 @@ def table(path: Path) -> str:
         if r.get("onchip_bytes"):
             cell[r["nodes"] - 1] = r["onchip_bytes"] / 1024
     lo, hi = BUDGETS[0], BUDGETS[-1]
-    lines = [f"| kernel | head | dtype | " + " | ".join(chips_seen) + " |", "|---|---|---|" + "---|" * len(chips_seen)]
+    lines = ["| kernel | head | dtype | " + " | ".join(chips_seen) + " |", "|---|---|---|" + "---|" * len(chips_seen)]
     for (kernel, d, dtype), per_chip in sorted(cells.items()):
         out = []
         for c in chips_seen:

@@ -42,9 +42,9 @@ def scan_start(widths: tuple[int, ...], first_dynamic_depth: int) -> int:
     """The first ledger depth of the frontier's ``lax.scan`` (``len(widths)`` for none): from the widest depth
     on (and from the scorer's ``first_dynamic_depth``), every step can run at that width, one compiled body
     for all of them, when at least ``SCAN_MIN_STEPS`` steps remain.  Unrolled, each depth is its own code:
-    with Domino's scorer about 2 s of TPU compile time per depth (budget 32: 15 depths).  The scan scores the
-    top ``widths[start]`` lanes at every later depth instead of ``widths[d]`` (more lanes than needed: the same
-    tree, the lane bound being an upper bound), so shallow trees (budget <= 8 on the CPU) stay unrolled."""
+    with Domino's scorer about 2 s of TPU compile time per depth (budget 32: 15 depths).  The scan scores
+    the top ``widths[start]`` lanes at every later depth instead of ``widths[d]`` (more lanes than needed: the
+    same tree, the lane bound being an upper bound), so shallow trees (budget <= 8 on the CPU) stay unrolled."""
     n = len(widths)
     start = max(widths.index(max(widths)), first_dynamic_depth) if widths else 0
     return start if n - 1 - start >= SCAN_MIN_STEPS else n
@@ -67,11 +67,11 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
     rows = jnp.arange(b)[:, None]
     lane_score = jnp.zeros((b, 1), jnp.float32)  # [B, W_d] cumulative score of each lane's node
     lane_node = jnp.full((b, 1), -1, jnp.int32)  # [B, W_d] ledger id of each lane's node (root: -1)
-    scores, tokens, parents = [], [], []
+    ledger = []  # depth-major blocks of (cumulative score, token, parent ledger id), each [B, entries]
     offset = 0
 
     def step(d, state, lane_score, lane_node, offset, next_width):
-        """Scores depth ``d``'s lanes; returns the ledger block and the next depth's lanes (best ``next_width``)."""
+        """Scores depth ``d``'s lanes: its ledger block and the next depth's lanes (the best ``next_width``)."""
         tok, lp = scorer.scores(d, state)  # [B, W_d, k]
         width = tok.shape[1]
         cum = (lane_score[..., None] + lp).reshape(b, width * k)
@@ -86,8 +86,7 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
     last = len(widths) - 1
     for d in range(min(start, last + 1)):
         block, lanes = step(d, state, lane_score, lane_node, offset, widths[d + 1] if d < last else 0)
-        for out, x in zip((scores, tokens, parents), block):
-            out.append(x)
+        ledger.append(block)
         offset += widths[d] * k
         if lanes is not None:
             state, lane_score, lane_node = lanes
@@ -101,24 +100,18 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
 
         (state, lane_score, lane_node), blocks = jax.lax.scan(
             body, (state, lane_score, lane_node), jnp.arange(start, last, dtype=jnp.int32))
-        for out, x in zip((scores, tokens, parents), blocks):  # [steps, B, W*k] -> [B, steps*W*k], depth-major
-            out.append(jnp.moveaxis(x, 0, 1).reshape(b, -1))
+        ledger.append(tuple(jnp.moveaxis(x, 0, 1).reshape(b, -1) for x in blocks))  # [steps, B, W*k] -> [B, ...]
         offset += (last - start) * width * k
     if start <= last:
-        block, _ = step(last, state, lane_score, lane_node, offset, 0)
-        for out, x in zip((scores, tokens, parents), block):
-            out.append(x)
+        ledger.append(step(last, state, lane_score, lane_node, offset, 0)[0])
         offset += widths[last] * k
     depth_of = np.repeat(np.arange(1, len(widths) + 1, dtype=np.int32), [w * k for w in widths])
     if offset < budget:  # fewer candidates than nodes: pad the ledger with dead entries
         pad = budget - offset
-        scores.append(jnp.full((b, pad), -jnp.inf, jnp.float32))
-        tokens.append(jnp.zeros((b, pad), jnp.int32))
-        parents.append(jnp.full((b, pad), -1, jnp.int32))
+        ledger.append((jnp.full((b, pad), -jnp.inf, jnp.float32), jnp.zeros((b, pad), jnp.int32),
+                       jnp.full((b, pad), -1, jnp.int32)))
         depth_of = np.concatenate([depth_of, np.ones(pad, np.int32)])
-    score = jnp.concatenate(scores, axis=-1)  # [B, L] depth-major ledger
-    token = jnp.concatenate(tokens, axis=-1)
-    parent = jnp.concatenate(parents, axis=-1)
+    score, token, parent = (jnp.concatenate(part, axis=-1) for part in zip(*ledger))  # [B, L] depth-major
 
     sel = jnp.argsort(-score, axis=-1, stable=True)[:, :budget]  # [B, budget] top-budget, parents first
     sel_score = jnp.take_along_axis(score, sel, axis=-1)
