@@ -13,20 +13,22 @@ NNX module).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import math
 import pathlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax import builders, loop
-from dtree_jax.cost import auto_budget, load_calibration
+from dtree_jax import builders, cpu_options, loop, round_costs
+from dtree_jax.cost import auto_budget, choose_budget, load_calibration, parse_taus
 from dtree_jax.models import MODEL_MODULES, sharding
 
 METHODS = tuple(builders.REGISTRY)  # the method registry's names, "ar" first
@@ -244,6 +246,7 @@ def make_spec(
     top_p: float,
     cache_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    stream: bool = False,
 ) -> loop.Spec:
     """Validates the knobs and returns the static description of a generation (on ``mesh``, if given)."""
     record = builders.get_method(method)
@@ -283,6 +286,7 @@ def make_spec(
         top_k=top_k,
         top_p=float(top_p),
         mesh=mesh,
+        stream=stream,
     )
     need = prompt_bucket + max_new_tokens + spec.draft_span
     if cache_len is None:
@@ -370,15 +374,24 @@ COMPILED: dict = {}  # compiled generations by (spec, argument shapes); tests sw
 
 
 def _compiled(args):
-    """The compiled generation for these static knobs and argument shapes (compiled once, then reused)."""
-    leaves, treedef = jax.tree_util.tree_flatten(args[1:])
-    key = (args[0], treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    """The compiled generation for these static knobs and argument shapes (compiled once, then reused), called
+    with ``args[1:]``.  On the CPU backend the weights are baked in (``cpu_options``): that program belongs to
+    these params objects, so they are part of its key (and held, so that their ids are not reused)."""
+    spec, tparams, dparams, *rest = args
+    baked = cpu_options.bakes_weights(spec.mesh, tparams, dparams)
+    leaves, treedef = jax.tree_util.tree_flatten(rest if baked else args[1:])
+    key = (spec, baked and (id(tparams), id(dparams)), treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
     if key in COMPILED:
-        return COMPILED[key], 0.0
+        return COMPILED[key][0], 0.0
     t0 = time.perf_counter()
-    with _mesh_context(args[0].mesh):
-        COMPILED[key] = loop.generate_on_device.lower(*args).compile()
-    return COMPILED[key], time.perf_counter() - t0
+    with _mesh_context(spec.mesh):
+        if baked:
+            program = cpu_options.compile_baked(functools.partial(loop.generate_loop, spec), (tparams, dparams), *rest)
+            run = lambda _tparams, _dparams, *inputs: program(*inputs)  # noqa: E731
+        else:
+            run = loop.generate_on_device.lower(*args).compile()
+    COMPILED[key] = (run, tparams, dparams)
+    return run, time.perf_counter() - t0
 
 
 def compilations() -> int:
@@ -421,6 +434,54 @@ def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):
 
 
 
+def choose_auto(target: Model, drafter: Model | None, method: str, calibration, knobs: dict,
+                inputs: tuple) -> tuple[str, int, str]:
+    """``budget="auto"``: ``(method, budget, why)``.  Tau per budget comes from the calibration (``calibration``,
+    else the drafter's ``calibration.json``); seconds per round from ``calibration["round_seconds"]`` when the
+    caller passed a calibration holding them, else measured on this machine at this batch and cached
+    (``round_costs``).  Budget 0 is plain ar: where no tree pays for itself here, ar runs."""
+    record = builders.get_method(method)
+    if not record.tree:
+        return method, 1, f"budget auto: {method} drafts a chain, no budget to choose"
+    cal = load_calibration(calibration, drafter and drafter.path)
+    batch = int(inputs[0].shape[0])
+    if calibration is not None and isinstance(cal, dict) and "round_seconds" in cal:
+        budget = auto_budget(cal, batch)
+        why = "from the given calibration's round_seconds"
+    else:
+        taus = parse_taus(cal)
+        specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1), **knobs)
+                 for b in taus}
+        from dtree_jax.convert import cache_dir
+
+        dparams = drafter.params if drafter is not None else None
+        seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus, cache_dir())
+        budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
+        rate = lambda b: batch * taus[b] / seconds[b]  # noqa: E731
+        why = (f"expected {rate(budget):.1f} tok/s (tau {taus[budget]:.2f}, {seconds[budget] * 1e3:.0f} ms a round) vs "
+               f"ar {rate(0):.1f} tok/s ({seconds[0] * 1e3:.0f} ms), "
+               + ", ".join(f"budget {b} {rate(b):.1f}" for b in sorted(seconds) if b not in (0, budget))
+               + f"; round costs {'measured now on this machine' if source == 'measured now' else 'of this machine from ' + source}")
+    if budget == 0:
+        return "ar", 1, f"budget auto: plain ar at batch {batch}, no tree pays for itself here; {why}"
+    return method, budget, f"budget auto: {method} budget {budget} at batch {batch}; {why}"
+
+
+def _run(args, instrument: bool, mesh):
+    """Runs the generation: ``(state, seconds, compile_seconds, stage_seconds, round_trees)``; ``seconds``
+    excludes compilation (instrumented: the sum of the timed stages)."""
+    if instrument:
+        with _mesh_context(mesh):
+            state, stages, round_trees, compile_seconds = _run_instrumented(*args)
+        seconds = sum(sum(v) for v in stages.values())
+        return state, seconds, compile_seconds, {k: float(np.mean(v)) if v else 0.0 for k, v in stages.items()}, \
+            round_trees
+    compiled, compile_seconds = _compiled(args)
+    t1 = time.perf_counter()
+    state = jax.block_until_ready(compiled(*args[1:]))
+    return state, time.perf_counter() - t1, compile_seconds, None, None
+
+
 @dataclasses.dataclass
 class Generation:
     tokens: list[list[int]]  # generated ids per request (stop token included, nothing after it)
@@ -435,6 +496,7 @@ class Generation:
     # parents (node 0 = the root) and the number of tokens emitted.
     round_trees: list[dict] | None = None
     texts: list[str] | None = None  # text prompts only: ``tokens`` decoded (special tokens skipped)
+    auto: str | None = None  # budget="auto": what it chose and why, in one line
 
 
 def generate(
@@ -461,6 +523,7 @@ def generate(
     kernel_platform: str | None = None,
     chat: bool = False,
     mesh=None,
+    stream: Callable[[list[list[int]]], None] | None = None,
 ) -> Generation:
     """Generates continuations of ``prompts`` with ``method`` on device.
 
@@ -477,8 +540,12 @@ def generate(
     ("tpu" | "gpu" | "cpu") override both models' configs (``with_kernels``; None keeps them).  ``mesh``
     (a ``Mesh`` with axes ``data`` / ``model``, ``"data=2,model=4"`` or a dict) runs the same generation sharded
     (``models.sharding``): params, caches and the decode state placed on it, the same tokens as on one device.
+    ``stream`` (one device) is called on the host each time tokens are committed, with each request's new
+    token ids (``[]`` for a request that committed none); the returned ``tokens`` are the same.
     """
     mesh = sharding.as_mesh(mesh)
+    if stream is not None and (mesh is not None or not callable(stream)):
+        raise ValueError("stream must be a callable, and streaming runs on one device (mesh=None)")
     target, drafter = _for_mesh(load_model(target, mesh), mesh), _for_mesh(load_model(drafter, mesh), mesh)
     if target.kind == "drafter":
         raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model; pass it as "
@@ -513,17 +580,6 @@ def generate(
     prompt_bucket = _bucket(longest) if prompt_bucket is None else prompt_bucket
     if prompt_bucket < longest:
         raise ValueError(f"prompt_bucket {prompt_bucket} is shorter than the longest prompt ({longest})")
-    if budget == "auto":
-        tree = builders.get_method(method).tree
-        budget = auto_budget(load_calibration(calibration, drafter and drafter.path), len(prompts)) if tree else 1
-        if budget == 0:  # the calibration says no tree pays for itself at this batch: do not speculate
-            method, budget = "ar", 1
-    spec = make_spec(
-        target, drafter, method, budget=budget, node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth,
-        max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p,
-        cache_len=cache_len, mesh=mesh,
-    )
-    check_memory(spec, target, drafter, len(prompts))
     padded = np.zeros((len(prompts), prompt_bucket), np.int32)
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
@@ -533,19 +589,19 @@ def generate(
     if mesh is not None:
         inputs = [sharding.put(x, _batch_sharding(mesh, x.shape)) for x in inputs]
     temp = jnp.float32(temperature)
+    knobs = dict(node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth, max_new_tokens=max_new_tokens,
+                 prompt_bucket=prompt_bucket, stop_ids=stop_ids, top_k=top_k, top_p=top_p, cache_len=cache_len,
+                 mesh=mesh)
+    auto = None
+    if budget == "auto":
+        method, budget, auto = choose_auto(target, drafter, method, calibration, knobs, (*inputs, temp))
+    spec = make_spec(target, drafter, method, budget=budget, stream=stream is not None, **knobs)
+    check_memory(spec, target, drafter, len(prompts))
     dparams = drafter.params if spec.record.drafts else None
     args = (spec, target.params, dparams, *inputs, temp)
-    stage_seconds = round_trees = None
-    if instrument:
-        with _mesh_context(mesh):
-            state, stages, round_trees, compile_seconds = _run_instrumented(*args)
-        seconds = sum(sum(v) for v in stages.values())
-        stage_seconds = {k: float(np.mean(v)) if v else 0.0 for k, v in stages.items()}
-    else:
-        compiled, compile_seconds = _compiled(args)
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(compiled(*args[1:]))
-        seconds = time.perf_counter() - t1
+    sink = (lambda toks, num: stream([t[:n].tolist() for t, n in zip(toks, num)])) if stream else None
+    with loop.streaming(sink) if sink else contextlib.nullcontext():
+        state, seconds, compile_seconds, stage_seconds, round_trees = _run(args, instrument, mesh)
     out, out_len = sharding.to_host(state.out), sharding.to_host(state.out_len)
     rounds, reasons = sharding.to_host(state.rounds), sharding.to_host(state.stop_reason)
     tokens, stats = [], []
@@ -571,6 +627,6 @@ def generate(
         from dtree_jax.text import load_tokenizer
 
         texts = [load_tokenizer(target.path).decode(t) for t in tokens]
-    return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts)
+    return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts, auto)
 
 

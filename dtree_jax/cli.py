@@ -11,7 +11,9 @@ import argparse
 import importlib
 import json
 import pathlib
+import statistics
 import sys
+from typing import Any
 
 # Modules that register subcommands besides generate, in help order; imported lazily (fast --help).
 _SUBCOMMAND_MODULES = ("dtree_jax.demo", "dtree_jax.convert", "dtree_jax.aot")
@@ -90,35 +92,101 @@ def _models(args, mesh=None):
     return target, drafter, main_pair
 
 
-def _print_result(args, prompts, chat: bool, result, baseline, tokenizer) -> None:
+class StreamPrinter:
+    """Prints a single request's response as its tokens are committed (``api.generate(stream=...)``): the text
+    decoded so far, less what is already on screen, holding back a trailing incomplete character."""
+
+    def __init__(self, tokenizer, header: str, out=sys.stdout):
+        self.tokenizer, self.header, self.out, self.ids, self.shown = tokenizer, header, out, [], ""
+
+    def __call__(self, new_ids: list[list[int]]) -> None:
+        if self.header is not None:  # the prompt goes out with the first tokens, after any error or measuring
+            self.out.write(self.header)
+            self.header = None
+        self.ids += new_ids[0]
+        if self.tokenizer is None:
+            self.out.write("".join(f" {t}" for t in new_ids[0]))
+        else:
+            text = self.tokenizer.decode(self.ids)
+            if text.endswith("\ufffd") or not text.startswith(self.shown):
+                return
+            self.out.write(text[len(self.shown):])
+            self.shown = text
+        self.out.flush()
+
+
+def _prompt_text(prompt, tokenizer) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)) + " |"
+
+
+def _timing(result, baseline, timings: dict, i: int) -> tuple[float, float, float] | None:
+    """Request ``i``'s speedup over ar: the median over the interleaved pairs and their spread (min, max)."""
+    if baseline is None:
+        return None
+    ratios = [m[i] / a[i] for m, a in zip(timings["method_tokens_per_second"], timings["ar_tokens_per_second"])]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def _print_result(args, prompts, chat: bool, result, baseline, timings, tokenizer, streamed: bool) -> None:
     """Per request: the prompt and the response as they read in a terminal (chat: ``>>> message``, then the
-    reply; plain: the prompt followed by its continuation), then the statistics line on stderr."""
+    reply; plain: the prompt followed by its continuation; both already on screen when ``streamed``), then the
+    statistics line on stderr (after ``budget auto``'s one line on what it chose and why)."""
+    if result.auto and not args.json:
+        print(result.auto, file=sys.stderr)
     for i, (toks, st) in enumerate(zip(result.tokens, result.stats)):
         text = tokenizer.decode(toks) if tokenizer is not None else None
-        speedup = st["tokens_per_second"] / baseline.stats[i]["tokens_per_second"] if baseline else None
+        speedup = _timing(result, baseline, timings, i)
         if args.json:
-            print(json.dumps(dict(prompt=prompts[i], tokens=toks, text=text, speedup_vs_ar=speedup, **st)))
+            extra = {} if speedup is None else dict(speedup_spread=speedup[1:], timing=timings)
+            print(json.dumps(dict(prompt=prompts[i], tokens=toks, text=text, auto=result.auto,
+                                  speedup_vs_ar=None if speedup is None else speedup[0], **st, **extra)))
             continue
-        prompt = prompts[i]
-        if not isinstance(prompt, str):
-            prompt = tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)) + " |"
-        if chat:
-            print(f">>> {prompt}\n")
-        print(("" if chat else prompt) + (text if text is not None else " ".join(map(str, toks))))
+        if not streamed:
+            if chat:
+                print(f">>> {_prompt_text(prompts[i], tokenizer)}\n")
+            body = text if text is not None else " ".join(map(str, toks))
+            print(("" if chat else _prompt_text(prompts[i], tokenizer)) + body)
         label = st["method"] if st["budget"] is None else f"{st['method']}, budget {st['budget']}"
         if st["method"] != args.method:
             label += f"; budget auto chose not to speculate with {args.method} at this batch"
-        line = (f"[{label}] {st['generated']} tokens in {st['rounds']} rounds, tau {st['tau']:.2f}, "
-                f"{st['tokens_per_second']:.1f} tok/s")
-        if speedup is not None:
-            line += f", {speedup:.2f}x ar ({baseline.stats[i]['tokens_per_second']:.1f} tok/s, same output: "
-            line += f"{'yes' if baseline.tokens[i] == toks else 'no'})"
+        line = f"[{label}] {st['generated']} tokens in {st['rounds']} rounds, tau {st['tau']:.2f}"
+        if speedup is None:
+            line += f", {st['tokens_per_second']:.1f} tok/s"
+        else:
+            ar_rate = statistics.median(a[i] for a in timings["ar_tokens_per_second"])
+            rate = statistics.median(m[i] for m in timings["method_tokens_per_second"])
+            line += (f", {rate:.1f} tok/s, {speedup[0]:.2f}x ar ({ar_rate:.1f} tok/s; median of "
+                     f"{len(timings['ar_tokens_per_second'])} interleaved pairs, spread {speedup[1]:.2f}-"
+                     f"{speedup[2]:.2f}x; same output: {'yes' if baseline.tokens[i] == toks else 'no'})")
         print(line + f", stop: {st['stop_reason']}", file=sys.stderr)
+
+
+def _interleaved(run, pairs: int, quiet: bool) -> tuple[Any, dict]:
+    """``pairs`` timed runs of ar and of the method, alternating (ar, method, ar, method, ...) after one untimed
+    run of ar (the method has run once already): compile and first-run costs excluded, a slow stretch of the
+    machine hitting both alike.  Returns ar's result and every run's seconds and per-request tokens/s."""
+    baseline = run("ar")
+    timings = {k: [] for k in ("ar_seconds", "method_seconds", "ar_tokens_per_second", "method_tokens_per_second")}
+    for p in range(pairs):
+        if not quiet:
+            print(f"\rtiming against ar: pair {p + 1}/{pairs}", end="", file=sys.stderr, flush=True)
+        for who, tokens in (("ar", baseline.tokens), ("method", None)):
+            r = run(who)
+            if tokens is not None and r.tokens != tokens:
+                raise RuntimeError("ar gave different tokens on a repeat")
+            timings[f"{who}_seconds"].append(r.seconds)
+            timings[f"{who}_tokens_per_second"].append([st["tokens_per_second"] for st in r.stats])
+    if not quiet and pairs:
+        print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+    return baseline, timings
 
 
 def run_generate(args) -> int:
     """``generate``: on every host of a multi-host run the same command (``models.sharding
-    .initialize_distributed``), the output printed by process 0 alone."""
+    .initialize_distributed``), the output printed by process 0 alone.  A single request in a terminal
+    (not ``--json``, one device) is printed as it is generated."""
     import jax
 
     from dtree_jax import api
@@ -132,17 +200,31 @@ def run_generate(args) -> int:
     if args.chat is None:
         args.chat = main_pair and args.prompt_ids is None
     prompts, chat = _read_prompts(args)
+    tokenizer = load_tokenizer(target.path) if target.path else None
     knobs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl,
                  kernel_platform=args.kernel_platform, chat=chat, mesh=mesh)
     budget = args.budget if args.budget is not None else ("auto" if drafter is not None else 32)
+    streamed = not args.json and len(prompts) == 1 and mesh is None and jax.process_index() == 0
+    stream = None
+    if streamed:
+        prompt = _prompt_text(prompts[0], tokenizer)
+        stream = StreamPrinter(tokenizer, f">>> {prompt}\n\n" if chat else prompt)
     result = api.generate(target, prompts, args.method, drafter, budget=budget, node_topk=args.node_topk,
-                          corr_topm=args.corr_topm, **knobs)
-    compare = main_pair if args.compare_ar is None else args.compare_ar
-    baseline = api.generate(target, prompts, "ar", **knobs) if compare and drafter is not None else None
+                          corr_topm=args.corr_topm, stream=stream, **knobs)
+    if streamed:
+        print(flush=True)
+    compare = (main_pair if args.compare_ar is None else args.compare_ar) and drafter is not None
+    baseline = timings = None
+    if compare:
+        chosen = dict(method=result.stats[0]["method"], drafter=drafter, budget=result.stats[0]["budget"] or 1,
+                      node_topk=args.node_topk, corr_topm=args.corr_topm)
+        if stream is not None:  # time the program that streamed (a sink that prints nothing): no second compile
+            chosen["stream"] = lambda new_ids: None
+        run = lambda who: api.generate(target, prompts, **(dict(method="ar") if who == "ar" else chosen), **knobs)  # noqa: E731
+        baseline, timings = _interleaved(run, args.timing_pairs, quiet=args.json)
     if jax.process_index() == 0:
-        tokenizer = load_tokenizer(target.path) if target.path else None
-        _print_result(args, prompts, chat, result, baseline, tokenizer)
+        _print_result(args, prompts, chat, result, baseline, timings, tokenizer, streamed)
     return 0
 
 
@@ -153,6 +235,16 @@ def _mesh_arg(value: str) -> dict:
         return parse_mesh(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
 
 
 def _budget_arg(value: str):
@@ -188,9 +280,9 @@ def add_generate(sub) -> None:
     p.add_argument("--drafter", help="converted or HF DFlash/Domino drafter directory for --target")
     p.add_argument("--method", choices=tuple(REGISTRY), default="dominotree", help="decoding method")
     p.add_argument("--budget", type=_budget_arg, default=None,
-                   help="non-root tree nodes (tree methods), or 'auto': the cost model fed the drafter's "
-                        "calibration.json, which may choose plain ar where no tree pays (default: auto with a "
-                        "drafter)")
+                   help="non-root tree nodes (tree methods), or 'auto': the budget (or plain ar) with the most "
+                        "tokens/s from the drafter's calibration.json (tau per budget) and this machine's seconds per "
+                        "round (measured on the first run here, then cached) (default: auto with a drafter)")
     p.add_argument("--node-topk", type=int, default=8, help="children per tree node (k)")
     p.add_argument("--corr-topm", type=int, default=None,
                    help="Domino candidate width M (0 = full vocabulary; default: full for domino, 64 for "
@@ -215,6 +307,9 @@ def add_generate(sub) -> None:
                         "VMs); run the same command on every host")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ar on the same prompts and report the speedup (default: on for the main pair)")
+    p.add_argument("--timing-pairs", type=_positive_int, default=5,
+                   help="with --compare-ar: timed runs of ar and of the method, interleaved; the speedup printed is "
+                        "their median, with its spread")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help=f"text prompt (default: {DEFAULT_REQUEST!r})")
     src.add_argument("--prompt-ids", help="comma-separated token ids")

@@ -162,20 +162,31 @@ def choose_budget(
 CALIBRATION_FILE = "calibration.json"
 
 
+def parse_taus(calibration: dict) -> dict[int, float]:
+    """``calibration["tau_by_budget"]`` as ``{budget: tau}``, with budget 0 (plain ar, tau 1) added."""
+    try:
+        taus = {int(b): float(t) for b, t in calibration["tau_by_budget"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed calibration (need tau_by_budget: {{budget: tau}}): {e}") from e
+    if taus.get(0, 1.0) != 1.0:
+        raise ValueError(f"calibration: budget 0 is plain ar, one token a round, so its tau must be 1, got {taus[0]}")
+    return {0: 1.0, **taus}
+
+
 def auto_budget(calibration: dict, batch: int) -> int:
     """The node budget ``cost.choose_budget`` picks for ``batch`` from a calibration measured on this machine:
     ``{"tau_by_budget": {budget: tau}, "round_seconds": {batch: {budget: seconds per round}}}``.  Seconds for
     an unmeasured batch are interpolated log-linearly between measured batches (proportionally beyond).
     Budget 0 stands for not speculating (plain ``ar``: tau 1, its seconds per token): a calibration that
     measured it lets ``auto`` answer 0 where no tree pays for itself."""
+    taus = parse_taus(calibration)
     try:
-        taus = {int(b): float(t) for b, t in calibration["tau_by_budget"].items()}
         table = {int(bs): {int(b): float(t) for b, t in row.items()} for bs, row in calibration["round_seconds"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"malformed calibration (need tau_by_budget and round_seconds): {e}") from e
-    if taus.get(0, 1.0) != 1.0:
-        raise ValueError(f"calibration: budget 0 is plain ar, one token a round, so its tau must be 1, got {taus[0]}")
     batches = sorted(table)
+    if any(0 not in table[b] for b in batches):  # plain ar not measured: choose among the trees
+        taus.pop(0)
     if not batches or any(set(table[b]) < set(taus) for b in batches):
         raise ValueError("calibration round_seconds must cover every budget in tau_by_budget at every batch")
 

@@ -15,11 +15,13 @@ run per shard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dtree_jax import builders
 from dtree_jax.models import drafter as drafter_module
@@ -49,6 +51,7 @@ class Spec:
     top_k: int
     top_p: float
     mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to models.sharding's table
+    stream: bool = False  # hand every round's committed tokens to the host as they are committed (``streaming``)
 
     @property
     def drafter(self):
@@ -107,6 +110,37 @@ def constrain_state(spec: Spec, state: DecodeState) -> DecodeState:
     dcache = sharding.constrain(state.dcache, spec.mesh, spec.drafter_cfg)
     rest = sharding.constrain(dataclasses.replace(state, cache=None, dcache=None), spec.mesh)
     return dataclasses.replace(rest, cache=cache, dcache=dcache)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming: committed tokens to the host while the loop runs
+# ----------------------------------------------------------------------------------------------------------
+
+_SINKS: list[Callable[[np.ndarray, np.ndarray], None]] = []  # innermost ``streaming`` context last
+
+
+@contextlib.contextmanager
+def streaming(sink: Callable[[np.ndarray, np.ndarray], None]):
+    """While open, a generation compiled with ``Spec.stream`` calls ``sink(tokens [B, T], num [B])`` on the
+    host each time tokens are committed (the root after prefill, then every round): request b's new tokens are
+    ``tokens[b, :num[b]]``, in order.  A generation without ``Spec.stream`` is a different program with no host
+    call in it, so not streaming costs nothing."""
+    _SINKS.append(sink)
+    try:
+        yield
+    finally:
+        _SINKS.remove(sink)
+
+
+def _emit(tokens, num) -> None:
+    if _SINKS:
+        _SINKS[-1](np.asarray(tokens), np.asarray(num))
+
+
+def stream_tokens(spec: Spec, tokens: jax.Array, num: jax.Array) -> None:  # [B, T] int32, [B] int32
+    """Hands ``tokens[b, :num[b]]`` to the host sink (in commit order) when ``spec.stream``; nothing otherwise."""
+    if spec.stream:
+        jax.debug.callback(_emit, tokens, num, ordered=True)
 
 
 def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B] -> ([B], [B])
@@ -179,6 +213,7 @@ def accept_commit(spec: Spec, dparams, tree: Tree, logits, feats, cache, state: 
             dparams, spec.drafter_cfg, dcache, ctx_lens, path_feats, ctx_lens[:, None] + pos
         )
     written = jnp.where(pos < num[:, None], acc.emitted, -1)
+    stream_tokens(spec, written, num)
     out = jax.vmap(lambda o, w, at: jax.lax.dynamic_update_slice(o, w, (at,)))(state.out, written, state.out_len)
     last = jnp.take_along_axis(acc.emitted, jnp.maximum(num - 1, 0)[:, None], -1)[:, 0]
     lens = state.lens + num
@@ -265,6 +300,7 @@ def prefill(
     out = jnp.full((b, spec.max_new_tokens + spec.num_nodes), -1, jnp.int32).at[:, 0].set(root)
     ones = jnp.ones((b,), jnp.int32)
     _, reason = stop_rule(spec, root[:, None], ones, zeros, ones > 0)
+    stream_tokens(spec, root[:, None], ones)
     reason = capacity_rule(spec, reason, prompt_lens)
     return constrain_state(spec, DecodeState(
         cache=cache,

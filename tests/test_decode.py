@@ -252,6 +252,37 @@ def test_generate_auto_budget_uses_the_calibration(models):
         generate(target, PROMPTS, "dominotree", draft, budget="auto", max_new_tokens=4)
 
 
+def test_auto_budget_measures_this_machine_once(models, tmp_path, monkeypatch):
+    """Tau from the calibration, seconds per round measured here (plain ar and each budget), cached by machine and
+    program: the second run reads the cache; made-up costs steer the choice, ar included."""
+    from dtree_jax import round_costs
+
+    _, target, draft = models
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    cal = dict(tau_by_budget={2: 1.5, 6: 2.5})
+    measured = []
+    real = round_costs.measure
+    monkeypatch.setattr(round_costs, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
+    (entry,) = (tmp_path / "round-costs").iterdir()
+    seconds = json.loads(entry.read_text())["seconds"]
+    assert measured == [1] and "0" in seconds and all(s > 0 for s in seconds.values())
+    assert first.auto.startswith("budget auto: ") and "measured now on this machine" in first.auto
+    second = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
+    assert measured == [1] and str(entry) in second.auto
+    assert second.stats[0]["method"] == first.stats[0]["method"]
+    # Made-up costs: a tree that pays, then one that does not (ar runs, token for token ar's output).
+    for costs, method, budget in (({0: 1.0, 2: 1.0, 6: 1.2}, "dominotree", 6), ({0: 0.5, 2: 1.0, 6: 1.5}, "ar", None)):
+        entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
+        got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
+        assert (got.stats[0]["method"], got.stats[0]["budget"]) == (method, budget), got.auto
+    assert got.tokens == generate(target, PROMPTS[:1], "ar", max_new_tokens=6).tokens
+    # A damaged cache entry is measured again.
+    entry.write_text("{broken")
+    generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
+    assert measured == [1, 1] and json.loads(entry.read_text())["seconds"]
+
+
 def test_pallas_attention_in_interpret_mode_stays_lossless(models, ar_tokens):
     """The decode loop on the Pallas tree-attention kernel (interpret mode on CPU), target and drafter."""
     import dataclasses
@@ -315,3 +346,29 @@ def test_a_tied_target_loaded_on_cpu_gets_its_own_output_head():
         own = generate(loaded, prompts, method, draft, budget=4, max_new_tokens=12, stop_ids=())
         table = generate(tied, prompts, method, draft, budget=4, max_new_tokens=12, stop_ids=())
         assert own.tokens == table.tokens
+
+
+def test_streaming_hands_over_every_committed_token_in_order(models, ar_tokens):
+    _, target, draft = models
+    seen = [[] for _ in PROMPTS]
+    calls = []
+
+    def sink(new):
+        calls.append(new)
+        for s, n in zip(seen, new):
+            s.extend(n)
+
+    got = generate(target, PROMPTS, "dominotree", draft, budget=8, max_new_tokens=24, stop_ids=(), stream=sink)
+    assert seen == got.tokens == ar_tokens
+    assert len(calls) == 1 + max(s["rounds"] for s in got.stats)  # the root after prefill, then every round
+    with pytest.raises(ValueError, match="stream must be a callable"):
+        generate(target, PROMPTS, "ar", stream="print")
+
+
+def test_a_generation_that_does_not_stream_has_no_host_call(models):
+    """Not streaming costs nothing: the program has no callback in it (control: the streaming one has)."""
+    _, target, draft = models
+    spec, args = api.abstract_generation(target, draft, "dominotree", budget=4)
+    lowered = {s: loop.generate_on_device.trace(dataclasses.replace(spec, stream=s), *args).lower().as_text()
+               for s in (False, True)}
+    assert "callback" not in lowered[False] and "callback" in lowered[True]

@@ -1,0 +1,65 @@
+"""How generations compile on the CPU backend: the weights baked into the program as constants, and XLA:CPU's
+YNNPACK dot fusions.
+
+On XLA:CPU a dot of a few rows against weights passed as arguments runs Eigen's GEMM, which costs about twice
+the one-row matrix-vector product (SmolLM2-135M on 2 cores: a 5-node verify 1.46x an ``ar`` step).  With the
+weights as compile-time constants and ``xla_cpu_experimental_ynn_fusion_type`` set, YNNPACK packs them once at
+compile time and 5 or 9 rows cost what one row does (the verify of 5 nodes 1.0x an ``ar`` step, the draft 0.22x:
+``experiments/bench_round.py``).  The price: a compiled program holds its own copy of the weights, it compiles
+about twice as long, and it is never written to JAX's persistent compilation cache (an entry would hold the
+weights).  So weights are baked only on the CPU backend, without a mesh, up to ``BAKE_LIMIT_BYTES``; options
+go to ``Lowered.compile`` per program, never to ``XLA_FLAGS``, so programs for accelerators never see them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable
+
+import jax
+
+OPTION_SETS: dict[str, dict[str, str]] = {
+    "default": {},
+    # XLA:CPU's experimental library fusions: dots handed to YNNPACK / XNNPACK / oneDNN.
+    "ynn": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "xnn": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "onednn": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+}
+BAKED_OPTIONS = OPTION_SETS["ynn"]
+BAKE_LIMIT_BYTES = 2 << 30  # weights above this stay arguments (each baked program holds a copy)
+
+
+def params_bytes(*trees) -> int:
+    return sum(x.size * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t) if hasattr(x, "dtype"))
+
+
+def bakes_weights(mesh, *params) -> bool:
+    """Whether a generation over ``params`` compiles with its weights baked in: on the CPU backend, without a
+    mesh, and ``params_bytes`` at most ``BAKE_LIMIT_BYTES``."""
+    return jax.default_backend() == "cpu" and mesh is None and params_bytes(*params) <= BAKE_LIMIT_BYTES
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+    """Keeps the programs compiled inside out of JAX's persistent compilation cache (JAX decides once per
+    process whether the cache is used, so the decision is reset on the way in and out)."""
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
+def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = None) -> Callable:
+    """``fn(*weights, *args)`` compiled for this CPU with ``weights`` (pytrees of arrays) as constants and
+    ``options`` (default ``BAKED_OPTIONS``); returns the compiled program, called with ``args`` alone."""
+    options = BAKED_OPTIONS if options is None else options
+    with no_persistent_cache():
+        return jax.jit(functools.partial(fn, *weights)).lower(*args).compile(compiler_options=options)
+

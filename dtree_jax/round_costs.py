@@ -1,0 +1,122 @@
+"""Seconds per round on this machine, measured the first time a pair runs here and cached (``budget="auto"``).
+
+A drafter's ``calibration.json`` carries tau per budget: a property of the drafter and its target.  What a
+round costs belongs to the machine, its jax and the program (weights baked in or not, ``cpu_options``), so
+``budget="auto"`` measures it here: plain ``ar`` (budget 0) and a round of the method at each candidate budget,
+at the request's batch, compiled as the generation compiles them, a few timed runs each (median).  The result
+is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine, jax version, program and batch,
+so later runs decide at once.  The context length is not part of the key: at these lengths a round's cost is
+the weights' read, and the first request's shapes are the ones measured (recorded in the file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from dtree_jax import cpu_options, loop
+
+REPEATS = 5
+
+
+def machine() -> dict:
+    """What the costs belong to: the CPU model and count, the backend and its devices, jax's version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return dict(cpu=cpu, cpus=os.cpu_count(), backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                devices=jax.device_count(), jax=jax.__version__)
+
+
+def program_key(spec: loop.Spec, batch: int, baked: bool) -> dict:
+    """The parts of a generation that set its round's cost (the context length, stop ids and output length
+    left out: see the module docstring)."""
+    target = getattr(spec.target, "__name__", type(spec.target).__name__)
+    fields = dataclasses.replace(spec, target=target, max_new_tokens=0, cache_len=0, stop_ids=(), budget=0,
+                                 stream=False, mesh=None)
+    return dict(spec=repr(fields), batch=batch, baked=baked, mesh=repr(spec.mesh))
+
+
+def cache_file(cache: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache / "round-costs" / f"{digest}.json"
+
+
+def compile_round(spec: loop.Spec, tparams, dparams, temperature, state) -> Callable[[], object]:
+    """One ``decode_round`` compiled as ``api`` compiles generations (weights baked in on the CPU backend);
+    returns a call that runs it on ``state``."""
+    if cpu_options.bakes_weights(spec.mesh, tparams, dparams):
+        program = cpu_options.compile_baked(
+            lambda tp, dp, temp, st: loop.decode_round(spec, tp, dp, temp, st), (tparams, dparams), temperature, state)
+        return lambda: program(temperature, state)
+    program = jax.jit(loop.decode_round, static_argnums=0).lower(spec, tparams, dparams, temperature, state).compile()
+    return lambda: program(tparams, dparams, temperature, state)
+
+
+def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
+            repeats: int = REPEATS, log=sys.stderr) -> dict[int, float]:
+    """Median seconds of one round per budget (``specs[0]`` is plain ar), from the state after prefilling
+    ``inputs`` (prompts, lengths, keys, temperature).  Tree budgets are measured in increasing order and measuring
+    stops at the first one whose expected rate ``tau / seconds`` falls below the previous tree's (a wider tree
+    costs more a round and gains less tau each step); plain ar does not stop it."""
+    seconds, best = {}, 0.0
+    for i, budget in enumerate(sorted(specs)):
+        spec = specs[budget]
+        if log is not None:
+            print(f"\rbudget auto: measuring this machine's round costs (once): budget {budget} "
+                  f"({i + 1}/{len(specs)})", end="", file=log, flush=True)
+        dp = dparams if spec.record.drafts else None
+        state = loop.prefill_on_device(spec, tparams, dp, *inputs)
+        run = compile_round(spec, tparams, dp, inputs[-1], state)
+        jax.block_until_ready(run())  # the first run of a fresh program is slower: untimed
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times.append(time.perf_counter() - t0)
+        seconds[budget] = statistics.median(times)
+        rate = taus[budget] / seconds[budget]
+        if budget > 0 and rate < best:
+            break
+        best = rate if budget > 0 else 0.0
+    if log is not None:
+        print("\r" + " " * 90 + "\r", end="", file=log, flush=True)
+    return seconds
+
+
+def seconds_per_round(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
+                      cache: Path | None) -> tuple[dict[int, float], str]:
+    """``measure``'s result for this machine and program, from the cache when measured before; with where
+    it came from ("measured now" or the cache file)."""
+    batch = int(inputs[0].shape[0])
+    baked = cpu_options.bakes_weights(specs[0].mesh, tparams, dparams)
+    key = dict(machine=machine(), program=program_key(specs[max(specs)], batch, baked), budgets=sorted(specs))
+    file = cache_file(cache, key) if cache is not None else None
+    if file is not None and file.is_file():
+        try:
+            return {int(b): float(s) for b, s in json.loads(file.read_text())["seconds"].items()}, str(file)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged entry is measured again and replaced
+    seconds = measure(specs, tparams, dparams, inputs, taus)
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        payload = dict(key, seconds=seconds, cache_len=specs[max(specs)].cache_len, measured=time.time())
+        tmp = file.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, file)  # atomic: concurrent first runs each write a whole file
+    return seconds, "measured now"

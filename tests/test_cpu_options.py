@@ -1,0 +1,78 @@
+"""CPU generations with the weights baked in (``dtree_jax.cpu_options``): the same tokens as the program that
+takes its weights as arguments, a program per params object (never a stale one for new weights), nothing
+written to JAX's persistent compilation cache, and no baking where it does not apply."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtree_jax import api, cpu_options
+from dtree_jax.api import generate
+from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
+
+
+def _unbaked(monkeypatch):
+    monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
+    monkeypatch.setattr(api, "COMPILED", {})
+
+
+@pytest.mark.parametrize("method", ["ar", "dominotree"])
+def test_baked_program_gives_the_argument_programs_tokens(models, method, monkeypatch):
+    _, target, draft = models
+    assert cpu_options.bakes_weights(None, target.params, draft.params)
+    monkeypatch.setattr(api, "COMPILED", {})
+    baked = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
+    (key,) = api.COMPILED
+    assert key[1]  # compiled with the params' identity in its key: the weights are baked in
+    _unbaked(monkeypatch)
+    plain = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
+    (key,) = api.COMPILED
+    assert not key[1]
+    assert baked.tokens == plain.tokens
+
+
+def test_new_weights_of_the_same_shapes_get_their_own_program(models, monkeypatch):
+    """A baked program answers for its own weights only: the same shapes with other weights compile again and
+    give those weights' tokens (a cache keyed on shapes alone would replay the first model's)."""
+    _, target, _ = models
+    monkeypatch.setattr(api, "COMPILED", {})
+    first = generate(target, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
+    other = dataclasses.replace(target, params=jax.tree.map(lambda x: x[::-1] if x.ndim == 2 else x, target.params))
+    second = generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
+    assert len(api.COMPILED) == 2 and second.tokens != first.tokens
+    _unbaked(monkeypatch)
+    assert generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=()).tokens == second.tokens
+
+
+def test_baked_programs_stay_out_of_the_persistent_cache(tmp_path):
+    """Control first: a plain program is written to the cache; a baked one is not; the cache works after."""
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 96), np.float32))
+        x = jnp.ones((5, 64))
+        jax.jit(lambda w, x: jnp.tanh(x @ w) * 3).lower(w, x).compile()
+        written = set(os.listdir(tmp_path))
+        assert written
+        program = cpu_options.compile_baked(lambda w, x: jnp.tanh(x @ w) * 5, (w,), x)
+        assert set(os.listdir(tmp_path)) == written
+        assert np.allclose(program(x), np.tanh(np.asarray(x) @ np.asarray(w)) * 5, atol=1e-4)
+        jax.jit(lambda x: jnp.sin(x) * 7).lower(jnp.ones(3)).compile()
+        assert len(os.listdir(tmp_path)) > len(written)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+def test_no_baking_on_a_mesh_or_past_the_limit(models, monkeypatch):
+    _, target, draft = models
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    assert not cpu_options.bakes_weights(mesh, target.params)
+    monkeypatch.setattr(cpu_options, "BAKE_LIMIT_BYTES", cpu_options.params_bytes(target.params) - 1)
+    assert not cpu_options.bakes_weights(None, target.params)
+    assert cpu_options.bakes_weights(None, draft.params)
