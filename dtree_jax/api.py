@@ -455,7 +455,8 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
         from dtree_jax.convert import cache_dir
 
         dparams = drafter.params if drafter is not None else None
-        seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus, cache_dir())
+        with _mesh_context(knobs.get("mesh")):
+            seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus, cache_dir())
         budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
         rate = lambda b: batch * taus[b] / seconds[b]  # noqa: E731
         why = (f"expected {rate(budget):.1f} tok/s (tau {taus[budget]:.2f}, {seconds[budget] * 1e3:.0f} ms a round) vs "
@@ -532,8 +533,9 @@ def generate(
     then hold the decoded responses).  ``target`` and ``drafter`` are ``Model``s, ``(kind, cfg, params)``
     tuples, or checkpoint paths (converted or HF directories; a target may be a GGUF file).  ``budget`` is the number of non-root tree nodes (tree methods), ``node_topk`` the
     branching cap k, ``corr_topm`` the Domino candidate width M (0 = full vocabulary; default: the reference's, full for
-    ``domino`` and 64 for ``dominotree``); ``budget="auto"`` asks ``cost.auto_budget`` with the drafter's
-    calibration (or ``calibration``), which may answer 0: then plain ``ar`` runs (``stats[i]["method"]``).  Temperature 0 is
+    ``domino`` and 64 for ``dominotree``); ``budget="auto"`` chooses the budget, or plain ``ar``
+    (``stats[i]["method"]``), with the most tokens/s from tau per budget (the drafter's calibration, or
+    ``calibration``) and this machine's seconds per round (``choose_auto``; the result's ``auto`` says why).  Temperature 0 is
     greedy; above 0 the target is sampled at every node (lossless).  ``stop_ids`` default to the target's
     EOS ids.  Prompts are right-padded to ``prompt_bucket`` (default: the longest rounded up to 16) so
     prompts of one bucket share one compilation.  ``attention_impl`` ("xla" | "pallas") and ``kernel_platform``
