@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import json
 import math
@@ -385,11 +384,7 @@ def _compiled(args):
         return COMPILED[key][0], 0.0
     t0 = time.perf_counter()
     with _mesh_context(spec.mesh):
-        if baked:
-            program = cpu_options.compile_baked(functools.partial(loop.generate_loop, spec), (tparams, dparams), *rest)
-            run = lambda _tparams, _dparams, *inputs: program(*inputs)  # noqa: E731
-        else:
-            run = loop.generate_on_device.lower(*args).compile()
+        run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh)
     COMPILED[key] = (run, tparams, dparams)
     return run, time.perf_counter() - t0
 

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import jax
 
@@ -57,17 +56,6 @@ def cache_file(cache: Path, key: dict) -> Path:
     return cache / "round-costs" / f"{digest}.json"
 
 
-def compile_round(spec: loop.Spec, tparams, dparams, temperature, state) -> Callable[[], object]:
-    """One ``decode_round`` compiled as ``api`` compiles generations (weights baked in on the CPU backend);
-    returns a call that runs it on ``state``."""
-    if cpu_options.bakes_weights(spec.mesh, tparams, dparams):
-        program = cpu_options.compile_baked(
-            lambda tp, dp, temp, st: loop.decode_round(spec, tp, dp, temp, st), (tparams, dparams), temperature, state)
-        return lambda: program(temperature, state)
-    program = jax.jit(loop.decode_round, static_argnums=0).lower(spec, tparams, dparams, temperature, state).compile()
-    return lambda: program(tparams, dparams, temperature, state)
-
-
 def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
             repeats: int = REPEATS, log=sys.stderr) -> dict[int, float]:
     """Median seconds of one round per budget (``specs[0]`` is plain ar), from the state after prefilling
@@ -82,7 +70,8 @@ def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: 
                   f"({i + 1}/{len(specs)})", end="", file=log, flush=True)
         dp = dparams if spec.record.drafts else None
         state = loop.prefill_on_device(spec, tparams, dp, *inputs)
-        run = compile_round(spec, tparams, dp, inputs[-1], state)
+        program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh)
+        run = lambda: program(tparams, dp, inputs[-1], state)  # noqa: E731
         jax.block_until_ready(run())  # the first run of a fresh program is slower: untimed
         times = []
         for _ in range(repeats):
