@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -384,7 +385,8 @@ def _compiled(args):
         return COMPILED[key][0], 0.0
     t0 = time.perf_counter()
     with _mesh_context(spec.mesh):
-        run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh)
+        run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh,
+                                       bake=functools.partial(loop.unshared_heads, spec))
     COMPILED[key] = (run, tparams, dparams)
     return run, time.perf_counter() - t0
 

@@ -65,11 +65,13 @@ def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = No
 
 
 
-def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None) -> Callable:
+def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None, bake: Callable | None = None) -> Callable:
     """``fn(static, *weights, *inputs)`` compiled for this backend as generations compile: the weights baked in
-    where ``bakes_weights`` says so, else every array an argument.  Returns ``run(*weights, *inputs)``; a baked
-    program ignores the weights it is given (it answers for its own, so callers key it by their identity)."""
+    where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values), else every
+    array an argument.  Returns ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it
+    answers for its own, so callers key it by their identity)."""
     if bakes_weights(mesh, *weights):
-        program = compile_baked(functools.partial(fn, static), weights, *inputs)
+        baked = weights if bake is None else bake(*weights)
+        program = compile_baked(functools.partial(fn, static), baked, *inputs)
         return lambda *args: program(*args[len(weights):])
     return jax.jit(fn, static_argnums=0).lower(static, *weights, *inputs).compile()

@@ -154,6 +154,14 @@ def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B] -> ([B], 
 # ----------------------------------------------------------------------------------------------------------
 
 
+def unshared_heads(spec: Spec, tparams, dparams) -> tuple:
+    """The weights a program bakes in (``cpu_options.compile_here``'s ``bake``): the drafter gets its own copy of
+    the target's output head (``drafter.with_own_head``), so XLA:CPU packs the draft's and the verify's heads."""
+    if dparams is None or not spec.record.drafts:
+        return tparams, dparams
+    return tparams, spec.drafter.with_own_head(dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg)
+
+
 def draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRound | None:
     """Drafter block for the current root: ph rows, base logits and the root's GRU state."""
     if not spec.record.drafts:

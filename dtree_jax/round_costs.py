@@ -12,6 +12,7 @@ the weights' read, and the first request's shapes are the ones measured (recorde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -70,7 +71,8 @@ def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: 
                   f"({i + 1}/{len(specs)})", end="", file=log, flush=True)
         dp = dparams if spec.record.drafts else None
         state = loop.prefill_on_device(spec, tparams, dp, *inputs)
-        program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh)
+        program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh,
+                                           bake=functools.partial(loop.unshared_heads, spec))
         run = lambda: program(tparams, dp, inputs[-1], state)  # noqa: E731
         jax.block_until_ready(run())  # the first run of a fresh program is slower: untimed
         times = []

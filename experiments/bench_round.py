@@ -81,8 +81,10 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
 }
 
 
-def compile_piece(fn, args: tuple, weights: tuple, mode: str):
-    """``fn(*args)`` (``args[0]`` static) compiled in ``mode``; returns ``(program, its arguments)``."""
+def compile_piece(fn, args: tuple, weights: tuple, mode: str, baked_as: tuple):
+    """``fn(*args)`` (``args[0]`` static) compiled in ``mode``; returns ``(program, its arguments)``.  Baked, each
+    of ``weights`` found in ``args`` is baked in as its counterpart in ``baked_as`` (``loop.unshared_heads``, as
+    generations are compiled)."""
     baked, options = MODES[mode]
     static, rest = args[0], args[1:]
     if not baked:
@@ -94,14 +96,15 @@ def compile_piece(fn, args: tuple, weights: tuple, mode: str):
         baked_in, given = list(flat[: len(where)]), iter(flat[len(where):])
         return fn(static, *(baked_in.pop(0) if i in where else next(given) for i in range(len(rest))))
 
-    return cpu_options.compile_baked(call, tuple(rest[i] for i in where), *others, options=options), others
+    values = tuple(next(b for w, b in zip(weights, baked_as) if rest[i] is w) for i in where)
+    return cpu_options.compile_baked(call, values, *others, options=options), others
 
 
-def compile_all(named: dict, weights: tuple, mode: str) -> dict:
+def compile_all(named: dict, weights: tuple, mode: str, baked_as: tuple) -> dict:
     out = {}
     for name, (fn, args) in named.items():
         t0 = time.perf_counter()
-        program, inputs = compile_piece(fn, args, weights, mode)
+        program, inputs = compile_piece(fn, args, weights, mode, baked_as)
         jax.block_until_ready(program(*inputs))  # the first run of a baked program is slower: untimed
         out[name] = (program, inputs, time.perf_counter() - t0)
     return out
@@ -181,7 +184,9 @@ def main(argv=None) -> int:
     results = []
     for budget in budgets:
         named = pieces(target, drafter, budget, prompt, max_new=128)
-        compiled = {o: compile_all(named, (target.params, drafter.params), o) for o in option_names}
+        weights = (target.params, drafter.params)
+        baked_as = loop.unshared_heads(named["round"][1][0], *weights)
+        compiled = {o: compile_all(named, weights, o, baked_as) for o in option_names}
         # Interleave the modes too: one repeat of every piece in every mode, then the next repeat.
         times = {o: {name: [] for name in named} for o in option_names}
         for _ in range(args.repeats):

@@ -1,8 +1,10 @@
-"""CPU generations with the weights baked in (``dtree_jax.cpu_options``): the same tokens as the program that
-takes its weights as arguments, a program per params object (never a stale one for new weights), nothing
-written to JAX's persistent compilation cache, and no baking where it does not apply."""
+"""CPU generations with the weights baked in (``dtree_jax.cpu_options``): the same tokens and rounds as the
+program that takes its weights as arguments, the drafter's own copy of the target's head, a program per params
+object (never a stale one for new weights), nothing written to JAX's persistent compilation cache, and no baking
+where it does not apply."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -10,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtree_jax import api, cpu_options
+from dtree_jax import api, cpu_options, loop
 from dtree_jax.api import generate
+from dtree_jax.models import drafter
 from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
 
 
@@ -33,6 +36,37 @@ def test_baked_program_gives_the_argument_programs_tokens(models, method, monkey
     (key,) = api.COMPILED
     assert not key[1]
     assert baked.tokens == plain.tokens
+    assert [s["rounds"] for s in baked.stats] == [s["rounds"] for s in plain.stats]  # the same drafts accepted
+
+
+def test_the_drafter_gets_its_own_copy_of_the_targets_head(models):
+    """``loop.unshared_heads``: the drafter's copy of the head gives the target head's logits on the draft rows,
+    and a baked round holds it as a constant of its own shape (XLA:CPU merges identical constants and packs a
+    weight for a dot only where no other dot shares it); baked without it, no such constant (control)."""
+    _, target, draft = models
+    knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
+                 stop_ids=(), top_k=0, top_p=1.0)
+    spec = api.make_spec(target, draft, "dominotree", **knobs)
+    tparams, own = loop.unshared_heads(spec, target.params, draft.params)
+    assert tparams is target.params and draft.params.lm_head is None
+    h, v = target.cfg.hidden_size, target.cfg.vocab_size
+    assert own.lm_head.shape == (h, v + drafter.OWN_HEAD_PAD)
+    ph = jax.random.normal(jax.random.key(0), (2, 3, h))
+    np.testing.assert_allclose(drafter.head_logits(own, spec.drafter_cfg, spec.target, tparams, spec.target_cfg, ph),
+                               spec.target.lm_head(tparams, spec.target_cfg, ph), rtol=1e-5, atol=1e-5)
+    prompt = PROMPTS[1]
+    inputs = (jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32), api.request_keys(0, 1))
+    state = loop.prefill_on_device(spec, tparams, draft.params, *inputs, jnp.float32(0))
+    own_shape = f"f32[{h},{v + drafter.OWN_HEAD_PAD}]"
+
+    def own_head_constants(dparams) -> int:
+        fn = functools.partial(loop.decode_round, spec)
+        program = cpu_options.compile_baked(fn, (tparams, dparams), jnp.float32(0), state)
+        return sum(own_shape in line and "constant(" in line for line in program.as_text().splitlines())
+
+    assert own_head_constants(own) == 1
+    assert own_head_constants(draft.params) == 0
+    assert loop.unshared_heads(api.make_spec(target, None, "ar", **knobs), tparams, None) == (tparams, None)
 
 
 def test_new_weights_of_the_same_shapes_get_their_own_program(models, monkeypatch):

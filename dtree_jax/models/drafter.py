@@ -49,6 +49,7 @@ class DrafterParams:
     layers: tuple[LayerParams, ...]
     norm: jax.Array  # [H]
     head: DominoHead | None  # None for a plain DFlash checkpoint
+    lm_head: jax.Array | None = None  # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head (with_own_head)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
@@ -188,12 +189,38 @@ def draft_round(
     zeros for a plain DFlash drafter).  ``rows``: keep only the first ``K' = min(rows, K)`` draft rows (the
     depths the round's tree can reach), so the vocabulary-wide head runs on no other row; None keeps all K."""
     ph = draft_rows(draft_block(params, cfg, target, target_params, cache, ctx_lens, root), cfg)[:, :rows]
-    base = scale_logits(cfg, target.lm_head(target_params, target_cfg, ph))
+    base = scale_logits(cfg, head_logits(params, cfg, target, target_params, target_cfg, ph))
     if params.head is None:
         return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32)
     embed_root = target.embed(target_params, root)
     zeros = jnp.zeros(embed_root.shape[:-1] + (params.head.gru_dim,), jnp.float32)
     return ph, base, gru_step(params.head, zeros, embed_root)
+
+
+OWN_HEAD_PAD = 128  # zero columns that make the drafter's copy of the head a different shape from the target's
+
+
+def with_own_head(params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg) -> DrafterParams:
+    """``params`` with their own copy of the target's output head, ``[H, V + OWN_HEAD_PAD]`` fp32 (zero columns
+    past ``V``), read back through ``target.lm_head`` (a linear map, so ``lm_head(I)`` is its matrix).
+
+    For programs that bake the weights in (``cpu_options``): XLA:CPU packs a constant weight for a dot once, at
+    compile time, only when no other dot shares it, and merges identical constants; the draft and the verify both
+    use the target's head, so neither was packed (SmolLM2's head at 4 + 5 rows: 17 ms shared, 9 ms with this copy).
+    """
+    eye = jnp.eye(cfg.model.hidden_size, dtype=jnp.float32)  # the draft rows are as wide as the target's
+    head = target.lm_head(target_params, target_cfg, eye)  # [H, V]
+    return dataclasses.replace(params, lm_head=jnp.pad(head.astype(jnp.float32), ((0, 0), (0, OWN_HEAD_PAD))))
+
+
+def head_logits(
+    params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg, ph: jax.Array  # [..., H]
+) -> jax.Array:  # [..., V] fp32
+    """The target's output head on the draft rows: the drafter's own copy when it holds one, else the target's."""
+    if params.lm_head is None:
+        return target.lm_head(target_params, target_cfg, ph)
+    logits = jnp.einsum("...h,hv->...v", ph, params.lm_head, preferred_element_type=jnp.float32)
+    return logits[..., : cfg.model.vocab_size]
 
 
 def scale_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:  # [..., V] fp32 -> [..., V] fp32
