@@ -31,17 +31,20 @@ def _same(r) -> str:
 
 def plot_training() -> None:
     """The SmolLM2 drafter's loss curves (train_smollm2_drafter.json) as train_smollm2_drafter.png; a run warm
-    started from the earlier drafter is drawn after that run's curves (train_smollm2_drafter_stage1.json)."""
+    started from an earlier drafter is drawn after the earlier stages' curves (train_smollm2_drafter_stageN.json,
+    N = 1, 2, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     last = _load("train_smollm2_drafter.json")
-    earlier = _load("train_smollm2_drafter_stage1.json") if last["recipe"].get("init") else None
+    earlier = []
+    if last["recipe"].get("init"):
+        earlier = [d for d in (_load(f"train_smollm2_drafter_stage{n}.json") for n in range(1, 10)) if d]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     offset = 0
-    for i, d in enumerate(x for x in (earlier, last) if x):
+    for i, d in enumerate([*earlier, last]):
         steps = [offset + s for s in d["steps"]]
         for key, label, color in (("kd_base", "KD, base rows", "C0"), ("kd_final", "KD, corrected rows", "C1"),
                                   ("loss", "objective", "C2")):
@@ -51,7 +54,7 @@ def plot_training() -> None:
         b.plot(steps, d["top1"], lw=1, color="C0")
         if i:
             for ax in (a, b):
-                ax.axvline(offset, color="k", ls="--", lw=1, label="warm start, new data" if ax is a else None)
+                ax.axvline(offset, color="k", ls="--", lw=1, label="warm start, new data" if ax is a and i == 1 else None)
         offset += d["step"]
     a.set_yscale("log")
     a.set_xlabel("step")

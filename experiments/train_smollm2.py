@@ -42,6 +42,7 @@ OBJECTIVE = (
     "(log-Q corrected); (1 - lam) * KD(final) + lam * KD(base), lam = 1 for the backbone steps, then linear "
     "to 0.3"
 )
+PROMPTS_FILE = "prompts.json"  # in the data directory: how its prompts were drawn (seed, chat fraction, counts)
 MASK_TOKEN = 16  # SmolLM2's <empty_output>: a special token chat never produces; its embedding marks MASK
 
 
@@ -90,7 +91,7 @@ def _target(path: str | None):
 
 def run_data(a) -> dict:
     target = _target(a.target)
-    prompts = distill.stdlib_prompts("train", a.prompts, seed=a.seed)
+    prompts = distill.stdlib_prompts("train", a.prompts, seed=a.seed, chat_fraction=a.chat_fraction)
     kept, ids = distill.encode_prompts(target.path, prompts, a.prompt_tokens)
     held = distill.stdlib_prompts("heldout", a.heldout, seed=a.heldout_seed)
     held, _ = distill.encode_prompts(target.path, held, a.prompt_tokens)
@@ -103,6 +104,10 @@ def run_data(a) -> dict:
         f"{len(kept)} training prompts ({sum(p.kind == 'chat' for p in kept)} chat), {len(held)} held out",
         file=sys.stderr,
     )
+    made = dict(requested=a.prompts, seed=a.seed, chat_fraction=a.chat_fraction, kept=len(kept),
+                chat=sum(p.kind == "chat" for p in kept))
+    pathlib.Path(a.data).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(a.data) / PROMPTS_FILE).write_text(json.dumps(made, indent=1) + "\n")  # for the recipe
     return distill.generate_shards(
         target,
         ids,
@@ -115,6 +120,10 @@ def run_data(a) -> dict:
         temperature=a.temperature,
         seed=a.seed,
     )
+
+
+def _read_json(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _describe_init(path: str) -> dict:
@@ -178,6 +187,7 @@ def run_train(a) -> None:
         seed=a.seed,
         init=_describe_init(a.init) if a.init else None,
         data=data.settings,
+        prompts=_read_json(pathlib.Path(a.data) / PROMPTS_FILE),
         sequences=len(data),
     )
     results = pathlib.Path(a.results)
@@ -260,6 +270,7 @@ def main(argv=None) -> int:
     g.add_argument(
         "--prompts", type=int, default=1000, help="training prompts (chat ones that do not fit are dropped)"
     )
+    g.add_argument("--chat-fraction", type=float, default=0.75, help="share of chat prompts (the rest: continuations)")
     g.add_argument("--heldout", type=int, default=48, help="held-out prompts saved for the experiments")
     g.add_argument(
         "--heldout-seed", type=int, default=1, help="their seed (apart from --seed: more data, same held-out set)"

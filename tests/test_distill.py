@@ -248,6 +248,7 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     ts.main(["train", *args, "--resume"])
     log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
     assert log["step"] == 4 and log["steps"][-1] == 3 and log["recipe"]["head_steps"] == 2
+    assert log["recipe"]["prompts"] is None  # data made by distill.generate_shards directly: no prompts.json
     ts.main(["export", *args])  # the export stage alone gives the same files
     import safetensors.numpy
 
@@ -285,6 +286,7 @@ def test_prompts_come_from_disjoint_files_and_are_reproducible():
     assert held == distill.stdlib_prompts("heldout", 12, seed=1)
     assert not {p.source for p in train_p} & {p.source for p in held}
     assert sum(p.kind == "chat" for p in train_p) == 30 and {p.kind for p in held} == {"chat", "continue"}
+    assert sum(p.kind == "chat" for p in distill.stdlib_prompts("train", 40, seed=0, chat_fraction=0.6)) == 24
     with pytest.raises(ValueError, match="at most"):
         distill.stdlib_prompts("heldout", 10**6)
 

@@ -1,0 +1,98 @@
+"""Held-out tau of SmolLM2 drafters side by side: the stage gate of experiments/train_smollm2.py (a stage ships
+only when it beats the shipped drafter here).
+
+    python experiments/eval_drafter.py checkpoints/smollm2-domino ~/.cache/dtree-jax/smollm2-domino-s3
+    python experiments/eval_drafter.py DIR ... --budgets 4,8 --prompts 20 --max-new-tokens 64
+
+Every drafter runs DominoTree on the same held-out prompts (experiments/results/smollm2_heldout_prompts.json,
+from standard-library files no training prompt came from; the first ``--prompts`` of them, as the experiments
+use), greedy, all prompts in one batch (each row builds its own trees; a set's tau is its rows' generated tokens
+after the root over their rounds), plus the main job's default request and a plain code continuation.  tau is
+reported for the chat prompts, the continuation (code) prompts and all of them.  Writes
+experiments/results/eval_drafter.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dtree_jax import distill  # noqa: E402
+from dtree_jax.api import generate, load_model  # noqa: E402
+from dtree_jax.cli import DEFAULT_REQUEST  # noqa: E402
+from dtree_jax.gguf import smollm2_gguf  # noqa: E402
+from dtree_jax.text import encode_prompts  # noqa: E402
+from experiments.run_experiments import PROMPT_TOKENS, RESULTS, machine  # noqa: E402
+
+CODE_REQUEST = "def fibonacci(n):"  # a plain continuation, no chat template
+
+
+def prompt_sets(target, n: int) -> dict[str, list[list[int]]]:
+    """``kind -> token ids``: the first ``n`` held-out prompts split by kind, and the two requests of the CLI."""
+    held = json.loads((RESULTS / "smollm2_heldout_prompts.json").read_text())
+    prompts = [distill.Prompt(p["kind"], p["text"], p["source"]) for p in held]
+    kept, ids = distill.encode_prompts(target.path, prompts, max_tokens=PROMPT_TOKENS)
+    if len(ids) < n:
+        raise SystemExit(f"only {len(ids)} held-out prompts fit {PROMPT_TOKENS} tokens; asked for {n}")
+    kinds = [p.kind for p in kept[:n]]
+    return {
+        "chat": [i for i, k in zip(ids[:n], kinds) if k == "chat"],
+        "continue": [i for i, k in zip(ids[:n], kinds) if k == "continue"],
+        "default request": encode_prompts(target.path, [DEFAULT_REQUEST], chat=True),
+        "code request": encode_prompts(target.path, [CODE_REQUEST], chat=False),
+    }
+
+
+def taus(target, drafter, sets: dict[str, list[list[int]]], budget: int, max_new: int) -> dict:
+    """``kind -> {tau, generated, rounds, prompts}``: every set's prompts in one batch (one compilation)."""
+    prompts = [p for ps in sets.values() for p in ps]
+    g = generate(target, prompts, "dominotree", drafter, budget=budget, max_new_tokens=max_new,
+                 prompt_bucket=PROMPT_TOKENS)
+    out, i = {}, 0
+    for kind, ps in sets.items():
+        stats = g.stats[i : i + len(ps)]
+        i += len(ps)
+        gen, rounds = sum(s["generated"] for s in stats), sum(s["rounds"] for s in stats)
+        out[kind] = dict(tau=(gen - len(ps)) / max(rounds, 1), generated=gen, rounds=rounds, prompts=len(ps))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafters", nargs="+", help="HF-layout drafter directories")
+    parser.add_argument("--budgets", default="4,8")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=str(RESULTS / "eval_drafter.json"))
+    args = parser.parse_args(argv)
+    missing = [d for d in args.drafters if not (pathlib.Path(d) / "config.json").is_file()]
+    if missing:
+        parser.error(f"not a drafter directory (no config.json): {', '.join(missing)}")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    target = load_model(smollm2_gguf())
+    sets = prompt_sets(target, args.prompts)
+    rows = []
+    print(f"| drafter | budget | held-out | {' | '.join(sets)} |", flush=True)
+    for path in args.drafters:
+        drafter = load_model(path)
+        for budget in budgets:
+            row = dict(drafter=str(pathlib.Path(path).resolve()), budget=budget,
+                       **taus(target, drafter, sets, budget, args.max_new_tokens))
+            held = [row["chat"], row["continue"]]
+            row["held-out"] = dict(tau=(sum(h["generated"] - h["prompts"] for h in held))
+                                   / max(sum(h["rounds"] for h in held), 1))
+            rows.append(row)
+            print(f"| {path} | {budget} | " + " | ".join(f"{row[k]['tau']:.2f}" for k in ("held-out", *sets)) + " |",
+                  flush=True)
+    payload = dict(machine=machine(), prompts=args.prompts, max_new_tokens=args.max_new_tokens, rows=rows)
+    pathlib.Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
