@@ -22,44 +22,42 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dtree_jax import distill  # noqa: E402
 from dtree_jax.api import generate, load_model  # noqa: E402
 from dtree_jax.cli import DEFAULT_REQUEST  # noqa: E402
 from dtree_jax.gguf import smollm2_gguf  # noqa: E402
 from dtree_jax.text import encode_prompts  # noqa: E402
-from experiments.run_experiments import PROMPT_TOKENS, RESULTS, machine  # noqa: E402
+from experiments.run_experiments import PROMPT_TOKENS, RESULTS, machine, smollm2_heldout  # noqa: E402
 
 CODE_REQUEST = "def fibonacci(n):"  # a plain continuation, no chat template
 
 
 def prompt_sets(target, n: int) -> dict[str, list[list[int]]]:
     """``kind -> token ids``: the first ``n`` held-out prompts split by kind, and the two requests of the CLI."""
-    held = json.loads((RESULTS / "smollm2_heldout_prompts.json").read_text())
-    prompts = [distill.Prompt(p["kind"], p["text"], p["source"]) for p in held]
-    kept, ids = distill.encode_prompts(target.path, prompts, max_tokens=PROMPT_TOKENS)
-    if len(ids) < n:
-        raise SystemExit(f"only {len(ids)} held-out prompts fit {PROMPT_TOKENS} tokens; asked for {n}")
-    kinds = [p.kind for p in kept[:n]]
+    kept, ids = smollm2_heldout(target, n)
     return {
-        "chat": [i for i, k in zip(ids[:n], kinds) if k == "chat"],
-        "continue": [i for i, k in zip(ids[:n], kinds) if k == "continue"],
+        "chat": [i for p, i in zip(kept, ids) if p.kind == "chat"],
+        "continue": [i for p, i in zip(kept, ids) if p.kind == "continue"],
         "default request": encode_prompts(target.path, [DEFAULT_REQUEST], chat=True),
         "code request": encode_prompts(target.path, [CODE_REQUEST], chat=False),
     }
 
 
+def _tau(stats: list[dict]) -> dict:
+    """Generated tokens after the root over rounds, summed over requests."""
+    gen, rounds = sum(s["generated"] for s in stats), sum(s["rounds"] for s in stats)
+    return dict(tau=(gen - len(stats)) / max(rounds, 1), generated=gen, rounds=rounds, prompts=len(stats))
+
+
 def taus(target, drafter, sets: dict[str, list[list[int]]], budget: int, max_new: int) -> dict:
-    """``kind -> {tau, generated, rounds, prompts}``: every set's prompts in one batch (one compilation)."""
+    """``kind -> {tau, generated, rounds, prompts}`` (and ``held-out``: chat + continue), every set's prompts in
+    one batch (one compilation)."""
     prompts = [p for ps in sets.values() for p in ps]
     g = generate(target, prompts, "dominotree", drafter, budget=budget, max_new_tokens=max_new,
                  prompt_bucket=PROMPT_TOKENS)
-    out, i = {}, 0
+    rows, i = {}, 0
     for kind, ps in sets.items():
-        stats = g.stats[i : i + len(ps)]
-        i += len(ps)
-        gen, rounds = sum(s["generated"] for s in stats), sum(s["rounds"] for s in stats)
-        out[kind] = dict(tau=(gen - len(ps)) / max(rounds, 1), generated=gen, rounds=rounds, prompts=len(ps))
-    return out
+        rows[kind], i = g.stats[i : i + len(ps)], i + len(ps)
+    return {"held-out": _tau(rows["chat"] + rows["continue"]), **{k: _tau(v) for k, v in rows.items()}}
 
 
 def main(argv=None) -> int:
@@ -75,7 +73,10 @@ def main(argv=None) -> int:
         parser.error(f"not a drafter directory (no config.json): {', '.join(missing)}")
     budgets = [int(b) for b in args.budgets.split(",")]
     target = load_model(smollm2_gguf())
-    sets = prompt_sets(target, args.prompts)
+    try:
+        sets = prompt_sets(target, args.prompts)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     print(f"| drafter | budget | held-out | {' | '.join(sets)} |", flush=True)
     for path in args.drafters:
@@ -83,9 +84,6 @@ def main(argv=None) -> int:
         for budget in budgets:
             row = dict(drafter=str(pathlib.Path(path).resolve()), budget=budget,
                        **taus(target, drafter, sets, budget, args.max_new_tokens))
-            held = [row["chat"], row["continue"]]
-            row["held-out"] = dict(tau=(sum(h["generated"] - h["prompts"] for h in held))
-                                   / max(sum(h["rounds"] for h in held), 1))
             rows.append(row)
             print(f"| {path} | {budget} | " + " | ".join(f"{row[k]['tau']:.2f}" for k in ("held-out", *sets)) + " |",
                   flush=True)

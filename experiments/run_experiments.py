@@ -209,16 +209,22 @@ def part_goodput(run: Runner, calib: Runner, drafter, budgets, batches) -> dict:
     return dict(calibration=cal, calibration_seconds=cal_seconds, rows=rows)
 
 
-def smollm2_prompts(target, n: int, offset: int = 0) -> list[list[int]]:
-    """Token ids of held-out prompts ``offset .. offset + n`` (chat ones rendered with the chat template)."""
+def smollm2_heldout(target, n: int, offset: int = 0) -> tuple[list, list[list[int]]]:
+    """Held-out prompts ``offset .. offset + n`` (``distill.Prompt``) and their token ids (chat ones rendered
+    with the chat template)."""
     from dtree_jax import distill
 
     held = json.loads((RESULTS / "smollm2_heldout_prompts.json").read_text())
     prompts = [distill.Prompt(p["kind"], p["text"], p["source"]) for p in held]
-    _, ids = distill.encode_prompts(target.path, prompts, max_tokens=PROMPT_TOKENS)
+    kept, ids = distill.encode_prompts(target.path, prompts, max_tokens=PROMPT_TOKENS)
     if len(ids) < offset + n:
         raise ValueError(f"only {len(ids)} held-out prompts fit {PROMPT_TOKENS} tokens; asked for {offset + n}")
-    return ids[offset : offset + n]
+    return kept[offset : offset + n], ids[offset : offset + n]
+
+
+def smollm2_prompts(target, n: int, offset: int = 0) -> list[list[int]]:
+    """Token ids of held-out prompts ``offset .. offset + n``."""
+    return smollm2_heldout(target, n, offset)[1]
 
 
 PROMPT_TOKENS = 128  # the SmolLM2 prompts' bucket (the training data's prompt length)
