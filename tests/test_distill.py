@@ -189,6 +189,18 @@ def test_training_lowers_the_loss_and_resumes_exactly(data_dir, tmp_path):
         _fit(data, tmp_path / "b", dcfg, dparams, 8, meta=dict(run="other"))
 
 
+def test_several_directories_train_together(data_dir, tmp_path):
+    one = distill.load_shards(data_dir)
+    both = distill.load_shards(data_dir, data_dir)
+    assert len(both) == 2 * len(one) and both.settings == (one.settings[0],) * 2 and both.taps == list(TAPS)
+    for field in ("tokens", "lens", "feats", "top_ids"):
+        np.testing.assert_array_equal(getattr(both, field), np.concatenate([getattr(one, field)] * 2))
+    assert distill.data_stats(data_dir, data_dir)["sequences"] == 2 * len(one)
+    _write(tmp_path, _prompts(4, seed=9), top_k=4)
+    with pytest.raises(ValueError, match="differ in top_k"):
+        distill.load_shards(data_dir, tmp_path)
+
+
 def test_batches_are_a_function_of_the_step(data_dir):
     data = distill.load_shards(data_dir)
     kw = dict(batch=4, blocks=3, negatives=16, vocab=128, seed=1)
@@ -241,6 +253,8 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
         "--results",
         str(tmp_path / "results"),
     ]
+    with pytest.raises(SystemExit):  # the data stage writes one directory
+        ts.main(["data", "--data", str(tmp_path / "x"), str(tmp_path / "y")])
     ts.main(["train", *args, "--stop-at", "2"])
     assert not (tmp_path / "drafter").exists()
     with pytest.raises(ValueError, match="--resume"):
@@ -248,7 +262,7 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     ts.main(["train", *args, "--resume"])
     log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
     assert log["step"] == 4 and log["steps"][-1] == 3 and log["recipe"]["head_steps"] == 2
-    assert log["recipe"]["prompts"] is None  # data made by distill.generate_shards directly: no prompts.json
+    assert log["recipe"]["prompts"] == [None]  # data made by distill.generate_shards directly: no prompts.json
     ts.main(["export", *args])  # the export stage alone gives the same files
     import safetensors.numpy
 
