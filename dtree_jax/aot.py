@@ -24,6 +24,7 @@ import jax
 
 from dtree_jax import api, builders, chips, loop
 from dtree_jax.models import kernels, sharding
+from dtree_jax.models.config import ATTENTION_IMPLS
 
 GIB = 2**30
 MEMORY_FIELDS = ("argument", "output", "temp", "generated_code", "alias")
@@ -150,7 +151,7 @@ def compile_for(
     ``error``, with ``hint`` naming the knob to lower."""
     chip = chips.get(chip)
     target, drafter = _abstract(target, dtype), _abstract(drafter, dtype)
-    if target.kind == "drafter":
+    if target.is_drafter:
         raise ValueError(f"{target.path or 'the target'} is a DFlash/Domino drafter, not a target model")
     if not builders.get_method(method).drafts:
         drafter = None
@@ -172,7 +173,7 @@ def compile_for(
         lowered = traced.lower()
         t2 = time.perf_counter()
         report.seconds.update(trace=t1 - t0, lower=t2 - t1)
-        report.kernel_calls = {k: v for k, v in kernels.lowered_kernel_calls(lowered.as_text()).items() if v}
+        report.kernel_calls = {k: v for k, v in lowered_kernel_calls(lowered.as_text()).items() if v}
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:
@@ -198,7 +199,34 @@ def compile_for(
 # Qwen3.6-27B's full-attention layers at 256.  The tree-GDN kernel at Qwen3.6-27B's linear-attention shape.
 ATTENTION_HEADS = {64: (32, 8), 128: (32, 8), 256: (24, 4)}
 GDN_SHAPE = dict(key_heads=16, value_heads=48, key_dim=128, value_dim=128)
-KERNEL_PLATFORMS = {"tree_attention": ("tpu", "gpu"), "tree_gdn": ("tpu",)}  # GPU tree-GDN: the XLA path
+# The custom-call targets the kernels lower to, by kernel kind.
+CUSTOM_CALLS = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton"}
+
+
+def lowered_kernel_calls(text: str) -> dict[str, int]:
+    """Kernel calls executed by a lowered StableHLO module (``Lowered.as_text()``), per kind ("mosaic",
+    "triton"; "mosaic_gpu" if any kernel fell to that backend).  A jitted callee is emitted once and called
+    from several places, so calls are summed over the ``call`` graph from ``main``."""
+    funcs = dict(re.findall(r"func\.func (?:public |private )?@([\w$.-]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S))
+    patterns = {kind: re.escape(t) + r"\b" for kind, t in CUSTOM_CALLS.items()}
+    patterns["mosaic_gpu"] = r"mosaic_gpu\w*"  # "mosaic_gpu_v2" in jax 0.10
+    memo: dict[str, dict[str, int]] = {}
+
+    def calls(name: str) -> dict[str, int]:
+        if name not in memo:
+            body = funcs.get(name, "")
+            got = {kind: len(re.findall(r"custom_call @" + pat, body)) for kind, pat in patterns.items()}
+            for callee in re.findall(r"\bcall @([\w$.-]+)\(", body):
+                for kind, n in calls(callee).items():
+                    got[kind] += n
+            memo[name] = got
+        return memo[name]
+
+    return calls("main")
+
+
+# op -> the chips' platforms that have a compiled kernel for it (``models.kernels.KERNELS``; GPU tree-GDN: XLA)
+KERNEL_PLATFORMS = {op: tuple(p for p, c in by.items() if c in CUSTOM_CALLS) for op, by in kernels.KERNELS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +407,7 @@ def add_cli(sub) -> None:
     p.add_argument("--mesh", default=None, help="e.g. data=2,model=2 (default: every device on the model axis)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="params and activations (default: the config's, float32 when it names none)")
-    p.add_argument("--attention-impl", choices=("pallas", "xla"), default="pallas",
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="pallas",
                    help="the chip's Pallas kernels, or the XLA path")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(func=_run_cli)

@@ -268,6 +268,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def add_generate(sub) -> None:
     from dtree_jax.builders import REGISTRY
+    from dtree_jax.models.config import ATTENTION_IMPLS, KERNEL_PLATFORMS
 
     p = sub.add_parser(
         "generate", help="generate with a target (and drafter) on device",
@@ -292,10 +293,10 @@ def add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
-    p.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default=None,
                    help="attention (and tree-GDN verify) implementation: the jnp/XLA path or the Pallas kernels "
                         "(default: the checkpoint config's, xla)")
-    p.add_argument("--kernel-platform", choices=("tpu", "gpu", "cpu"), default=None,
+    p.add_argument("--kernel-platform", choices=KERNEL_PLATFORMS, default=None,
                    help="whose kernels --attention-impl pallas runs: tpu (Mosaic), gpu (Triton), cpu (interpret "
                         "mode) (default: the platform this runs on)")
     p.add_argument("--mesh", type=_mesh_arg, default=None,

@@ -5,9 +5,9 @@ An HF model directory holds ``config.json`` and weights as ``model.safetensors``
 (only these need torch).  A ``*.gguf`` file (llama.cpp) carries its config, tokenizer and (quantised)
 weights in one file; ``dtree_jax.gguf`` presents it as such a checkpoint, and ``model_dir`` converts it once
 into a cache directory (``cache_dir``) that later runs reuse.  The model kind comes from the config
-(``model_kind``); each kind's module in ``MODEL_MODULES`` provides ``config_from_hf(d)``, ``hf_shapes(cfg)``
+(``model_kind``); each family's module (``models.families``) provides ``config_from_hf(d)``, ``hf_shapes(cfg)``
 (canonical HF key -> shape), ``params_from_hf(cfg, get, dtype)`` and ``abstract_params(cfg, dtype)``.
-Checkpoint keys are mapped to canonical keys (``canonical_key``; GGUF tensor names by the GGUF reader) and
+Checkpoint keys are mapped to canonical keys (``Family.canonical_key``; GGUF tensor names by the GGUF reader) and
 checked against ``hf_shapes`` (missing / unexpected / wrong shape) before any tensor is read; tensors are then
 read (GGUF: dequantised) one at a time, so peak host memory is about the converted params plus one tensor.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -41,9 +40,7 @@ import ml_dtypes
 import numpy as np
 
 from dtree_jax.cost import CALIBRATION_FILE
-from dtree_jax.models import DENSE_MODEL_TYPES, MODEL_MODULES
-
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+from dtree_jax.models import families
 DTYPES = ("bfloat16", "float16", "float32")
 INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 TOKENIZER_FILES = (
@@ -80,48 +77,9 @@ def read_config(path: str | Path) -> dict:
 
 
 def model_kind(config: dict, config_file: str | Path = "config.json") -> str:
-    """``"drafter"`` (DFlash/Domino), a dense ``model_type`` (``"qwen3"``, ``"qwen2"``, ``"llama"``) or
-    ``"qwen3_5"`` (hybrid GDN targets) from an HF config."""
-    if "DFlashDraftModel" in (config.get("architectures") or ()) or "dflash_config" in config:
-        return "drafter"
-    model_type = config.get("model_type")
-    if model_type in DENSE_MODEL_TYPES:
-        return model_type
-    if model_type in HYBRID_MODEL_TYPES:
-        return "qwen3_5"
-    raise ValueError(
-        f"{config_file}: unknown model_type {model_type!r} (supported: "
-        f"{', '.join(map(repr, DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES))}, or a DFlash drafter)"
-    )
-
-
-def model_module(kind: str) -> ModuleType:
-    """The module implementing ``kind`` (see the module docstring for its contract)."""
-    if kind not in MODEL_MODULES:
-        raise ValueError(f"unknown model kind {kind!r} (known: {sorted(MODEL_MODULES)})")
-    name = MODEL_MODULES[kind]
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        raise ValueError(f"model kind {kind!r} needs {name}, which this dtree_jax build does not have") from e
-
-
-def canonical_key(kind: str, key: str) -> str | None:
-    """Maps a checkpoint key to the canonical key of ``hf_shapes``; None for tensors that are skipped.
-
-    Drafters accept ``model.``-prefixed and bare keys; hybrid targets accept ``model.language_model.`` (the
-    ConditionalGeneration layout) and skip the vision tower ``model.visual.*`` and the MTP head ``mtp.*``.
-    """
-    if kind == "drafter":
-        return key.removeprefix("model.")
-    if kind == "qwen3_5":
-        if key.startswith(("model.visual.", "mtp.")):
-            return None
-        if key.startswith("model.language_model."):
-            return "model." + key.removeprefix("model.language_model.")
-    return key
+    """The model kind of an HF config (``models.families``: a drafter, a dense ``model_type`` such as
+    ``"qwen3"`` / ``"qwen2"`` / ``"llama"``, or ``"qwen3_5"`` for the hybrid GDN targets)."""
+    return families.kind_of(config, str(config_file))
 
 
 def _config_from_hf(module: ModuleType, config: dict, config_file: Path, dtype: Any = None) -> Any:
@@ -290,7 +248,7 @@ class CheckpointReader:
         return list(self._where)
 
     def canonical(self, kind: str, key: str) -> str | None:
-        return canonical_key(kind, key)
+        return families.family(kind).canonical_key(key)
 
     def file(self, key: str) -> Path:
         return self._where[key]
@@ -346,7 +304,7 @@ class HFModel:
         else:
             config, config_file = read_config(path), path / "config.json"
         kind = model_kind(config, config_file)
-        module = model_module(kind)
+        module = families.module(kind)
         return cls(path, config, kind, module, _config_from_hf(module, config, config_file), ckpt)
 
 
@@ -471,7 +429,7 @@ def load_hf(
 
 def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) -> tuple[str, ReadStats]:
     model = HFModel.open(src)
-    if (model.kind == "drafter") != (role == "drafter"):
+    if families.family(model.kind).drafter != (role == "drafter"):
         raise ValueError(f"{model.config_file}: a {model.kind} model cannot be the {role}")
     with jax.default_device(jax.devices("cpu")[0]):  # keep the host copy off accelerators
         params, stats = read_params(model, dtype, progress=progress)
@@ -592,7 +550,7 @@ def load_converted(path: str | Path, shardings: Any = None, mesh: Any = None) ->
 
     path = Path(path).absolute()
     meta = _read_meta(path)
-    module = model_module(meta["kind"])
+    module = families.module(meta["kind"])
     cfg = _config_from_hf(module, read_config(path), path / "config.json", meta["dtype"])
     abstract = module.abstract_params(cfg, jnp.dtype(meta["dtype"]))
     if mesh is not None:
@@ -684,7 +642,7 @@ def load_model(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[s
     if (path / META_FILE).is_file():
         kind, cfg, params = load_converted(path, mesh=mesh)
         if dtype is not None:
-            module = model_module(kind)
+            module = families.module(kind)
             abstract = module.abstract_params(cfg, _dtype(dtype, {}))
             params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
             cfg = _config_from_hf(module, read_config(path), path / "config.json", _dtype(dtype, {}))
@@ -716,7 +674,7 @@ def abstract_model(path: str | Path, dtype: Any = None) -> tuple[str, Any, Any]:
             dtype = _read_meta(path)["dtype"]
     config = read_config(config_file if config_file.is_file() else path)
     kind = model_kind(config, config_file)
-    module = model_module(kind)
+    module = families.module(kind)
     resolved = _dtype(dtype, config)
     cfg = _config_from_hf(module, config, config_file, resolved)
     return kind, cfg, module.abstract_params(cfg, resolved)

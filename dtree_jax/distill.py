@@ -5,9 +5,9 @@ to prompts made from local text, its features and top-K next-token candidates, a
   module names (rendered with the checkpoint's chat template) and plain continuations of its source, split by
   file with ``train.stdlib_files`` (so held-out prompts come from files no training prompt saw).
 * Data (``generate_shards``): the target answers with our own ``generate(..., "ar")`` in fixed-shape batches;
-  one causal ``qwen3.forward`` over prompt + response then records the drafter's taps (exactly what the decode
-  loop serves it: HF ``hidden_states[id + 1]``, the last layer after the final norm) and the target's top-K
-  candidates (ids + log-probs) at every position.  Each shard is an ``.npz`` written atomically, so an
+  one causal forward (the target's ``prefill``) over prompt + response then records the drafter's taps
+  (exactly what the decode loop serves it: HF ``hidden_states[id + 1]``, the last layer after the final norm)
+  and the target's top-K candidates (ids + log-probs) at every position.  Each shard is an ``.npz`` written atomically, so an
   interrupted run resumes at the first missing shard.
 * Objective (``distill_loss``): the DFlash block objective of ``train.draft_hidden`` with the stored features
   as context, distilling the target's top-K distribution (renormalised) at every block row.  The drafter's
@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from dtree_jax import train
-from dtree_jax.models import drafter, qwen3
+from dtree_jax.models import drafter
 from dtree_jax.models.domino_head import correction_hidden, gru_run
 
 # ----------------------------------------------------------------------------------------------------------
@@ -164,12 +164,12 @@ def encode_prompts(model_path: str | pathlib.Path, prompts: Sequence[Prompt], ma
 MANIFEST = "manifest.json"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "taps", "top_k"))
-def record(params, cfg, tokens: jax.Array, taps: tuple[int, ...], top_k: int):  # tokens [B, T]
+@functools.partial(jax.jit, static_argnames=("target", "cfg", "taps", "top_k"))
+def record(target, params, cfg, tokens: jax.Array, taps: tuple[int, ...], top_k: int):  # tokens [B, T]
     """One causal forward: ``(feats [B, T, len(taps) * H] bf16, top_ids [B, T, K] int32, top_logp [B, T, K]
     fp16)``, position t's candidates being the target's top-K for the token at t + 1.  (bf16: SmolLM2's
     residual stream reaches ~2.5e4 in a few channels, too close to fp16's limit.)"""
-    logits, feats = train._causal_forward(params, cfg, tokens, taps)
+    logits, feats = train.causal_forward(target, params, cfg, tokens, taps)
     logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), top_k)
     return feats.astype(jnp.bfloat16), ids.astype(jnp.int32), logp.astype(jnp.float16)
 
@@ -262,7 +262,7 @@ def generate_shards(
             tokens[r, : len(p) + len(t)] = p + t
         t0 = time.perf_counter()
         parts = [
-            record(target.params, target.cfg, jnp.asarray(tokens[r : r + record_batch]), taps, top_k)
+            record(target.module, target.params, target.cfg, jnp.asarray(tokens[r : r + record_batch]), taps, top_k)
             for r in range(0, shard_size, record_batch)
         ]
         feats, ids, logp = (np.concatenate([np.asarray(x[f]) for x in parts]) for f in range(3))
@@ -393,10 +393,11 @@ def batch_at(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def candidate_logits(dparams, dcfg, tparams, tcfg, ph, path, cand, shared=None):
+def candidate_logits(dparams, dcfg, target, tparams, tcfg, ph, path, cand, shared=None):
     """``drafter.path_logits`` at the candidate ids only: ``ph [N, K, H]``, ``path [N, K]``, per-row
     candidates ``cand [N, K, C]`` and optionally ids ``shared [S]`` common to every row -> ``(base, final)``
-    fp32, each ``[N, K, C + S]`` (the per-row candidates first), without the other head rows."""
+    fp32, each ``[N, K, C + S]`` (the per-row candidates first), without the other head rows.  (It reads the
+    head's rows from the params' ``embed`` / ``lm_head``: our target families' layout.)"""
     head_rows = tparams.embed if tcfg.tie_word_embeddings else tparams.lm_head.T  # [V, H]
     shared = jnp.zeros((0,), jnp.int32) if shared is None else shared
 
@@ -409,14 +410,14 @@ def candidate_logits(dparams, dcfg, tparams, tcfg, ph, path, cand, shared=None):
     base = drafter.scale_logits(dcfg, logits(ph, head_rows))
     if dparams.head is None:
         return base, base
-    states = gru_run(dparams.head, qwen3.embed(tparams, path))  # [N, K, G]
+    states = gru_run(dparams.head, target.embed(tparams, path))  # [N, K, G]
     hid = correction_hidden(dparams.head, ph, states)  # [N, K, E] fp32
     corrected = base + logits(hid, dparams.head.w2.astype(jnp.float32))
     use_head = jnp.arange(ph.shape[1]) >= dcfg.pure_draft_prefix_len
     return base, jnp.where(use_head[None, :, None], corrected, base)
 
 
-def distill_loss(dparams, dcfg, tparams, tcfg, b: dict, lam) -> tuple[jax.Array, dict]:
+def distill_loss(dparams, dcfg, target, tparams, tcfg, b: dict, lam) -> tuple[jax.Array, dict]:
     """``(1 - lam) * KD(final) + lam * KD(base)`` over the valid block rows of batch ``b`` (``batch_at``);
     KD = cross-entropy from the target's renormalised top-K distribution to the drafter's softmax: over the
     whole vocabulary when ``b["negatives"]`` is empty, else over the K candidates plus those shared negatives,
@@ -424,7 +425,7 @@ def distill_loss(dparams, dcfg, tparams, tcfg, b: dict, lam) -> tuple[jax.Array,
     first among its top-K (a proxy for greedy acceptance)."""
     k_rows = jnp.arange(dcfg.num_draft_rows)
     tokens, anchors = b["tokens"], b["anchors"]
-    ph = train.draft_hidden(dparams, dcfg, tparams, b["feats"], tokens, anchors)  # [N, K, H]
+    ph = train.draft_hidden(dparams, dcfg, target, tparams, b["feats"], tokens, anchors)  # [N, K, H]
     path = train.block_gather(tokens, anchors, k_rows)
     top_ids = train.block_gather(b["top_ids"], anchors, k_rows)  # [N, K, Kt] candidates for depth d + 1
     p = jax.nn.softmax(train.block_gather(b["top_logp"], anchors, k_rows).astype(jnp.float32), -1)
@@ -433,13 +434,13 @@ def distill_loss(dparams, dcfg, tparams, tcfg, b: dict, lam) -> tuple[jax.Array,
     valid = label_pos < b["lens"][rows][:, None]  # [N, K] the label lies inside the sequence
     kt, neg = top_ids.shape[-1], b["negatives"]
     if neg.shape[0] == 0:  # the full heads
-        base = drafter.scale_logits(dcfg, qwen3.lm_head(tparams, tcfg, ph))
-        final = base if dparams.head is None else drafter.path_logits(dparams, dcfg, tparams, tcfg, ph, path)
+        base = drafter.scale_logits(dcfg, target.lm_head(tparams, tcfg, ph))
+        final = base if dparams.head is None else drafter.path_logits(dparams, dcfg, target, tparams, tcfg, ph, path)
 
         def at_candidates(logits):  # (logits at the top-K [N, K, Kt], log partition [N, K])
             return jnp.take_along_axis(logits, top_ids, -1), jax.nn.logsumexp(logits, -1)
     else:
-        base, final = candidate_logits(dparams, dcfg, tparams, tcfg, ph, path, top_ids, neg)
+        base, final = candidate_logits(dparams, dcfg, target, tparams, tcfg, ph, path, top_ids, neg)
         clash = jnp.any(neg[None, None, :, None] == top_ids[:, :, None, :], -1)  # [N, K, n_neg] in top-K
         log_q = math.log((tcfg.vocab_size - kt) / neg.shape[0])  # a negative stands for (V - K) / n_neg
 

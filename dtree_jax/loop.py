@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtree_jax import builders
-from dtree_jax.models import drafter as drafter_module
 from dtree_jax.models import sharding
+from dtree_jax.models.sharding import axes
 from dtree_jax.tree import Tree, chain_tree
 from dtree_jax.verify import accept_sampled, sample_tokens
 
@@ -39,6 +39,7 @@ class Spec:
 
     target: Any  # the target's implementation (``models.protocol.TargetModel``): a module or a hashable object
     target_cfg: Any
+    drafter: Any  # the drafter's implementation (``models.protocol.DrafterModel``); None for ar
     drafter_cfg: Any  # None for ar
     method: str
     budget: int
@@ -50,12 +51,8 @@ class Spec:
     stop_ids: tuple[int, ...]
     top_k: int
     top_p: float
-    mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to models.sharding's table
+    mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to its leaves' declared axes
     stream: bool = False  # hand every round's committed tokens to the host as they are committed (``streaming``)
-
-    @property
-    def drafter(self):
-        return drafter_module
 
     @property
     def record(self) -> builders.Method:
@@ -90,15 +87,15 @@ class Spec:
 class DecodeState:
     cache: Any  # target cache
     dcache: Any  # drafter context cache (None for ar)
-    lens: jax.Array  # [B] committed tokens in the target cache (= drafter context length)
-    root: jax.Array  # [B] last emitted token (not yet in the cache)
-    out: jax.Array  # [B, max_new + N] generated tokens, -1 padded
-    out_len: jax.Array  # [B]
-    done: jax.Array  # [B] bool
-    stop_reason: jax.Array  # [B] int32, STOP_*
-    rounds: jax.Array  # [B] rounds run while active
-    step: jax.Array  # [] round counter
-    key: jax.Array  # [B] one random stream per request
+    lens: jax.Array = axes("batch")  # [B] committed tokens in the target cache (= drafter context length)
+    root: jax.Array = axes("batch")  # [B] last emitted token (not yet in the cache)
+    out: jax.Array = axes("batch", None)  # [B, max_new + N] generated tokens, -1 padded
+    out_len: jax.Array = axes("batch")  # [B]
+    done: jax.Array = axes("batch")  # [B] bool
+    stop_reason: jax.Array = axes("batch")  # [B] int32, STOP_*
+    rounds: jax.Array = axes("batch")  # [B] rounds run while active
+    step: jax.Array = axes()  # [] round counter
+    key: jax.Array = axes("batch")  # [B] one random stream per request
 
 
 def constrain_state(spec: Spec, state: DecodeState) -> DecodeState:
@@ -179,14 +176,11 @@ def build_tree(spec: Spec, tparams, dparams, rnd: builders.DraftRound | None, st
     return builders.build_tree(
         spec.method,
         rnd,
-        dparams.head,
-        spec.target.embed_table(tparams),
         budget=spec.num_nodes - 1,
         node_topk=spec.node_topk,
         corr_topm=spec.corr_topm,
-        pure_draft_prefix_len=spec.drafter_cfg.pure_draft_prefix_len,
         max_depth=spec.draft_depth,
-        mask_token_id=spec.drafter_cfg.mask_token_id,
+        **spec.drafter.tree_inputs(dparams, spec.drafter_cfg, spec.target, tparams),
     )
 
 

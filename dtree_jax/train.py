@@ -3,7 +3,7 @@
 * Tokenizer: bytes 0..255 plus ``<|bos|> <|eos|> <|pad|> <|mask|>`` (ids 256..259), written as a HF
   ``tokenizer.json`` (byte-level BPE with no merges) so ``tokenizers`` and transformers can load it.
 * Corpus: the Python standard library's own ``.py`` files, split by file into train and held-out sets.
-* Target: next-token cross-entropy through ``qwen3.forward`` (the same code that serves decoding).
+* Target: next-token cross-entropy through the target's ``prefill`` (the same code that serves decoding).
 * Drafter: the DFlash block-diffusion objective (block ``[anchor, MASK, ...]`` attends non-causally to the
   frozen target's features of every position before the anchor and to its own block; row d predicts the
   token at depth d + 1), then the Domino GRU head with the lambda_base curriculum:
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dtree_jax.models import drafter, qwen3
-from dtree_jax.models.config import DrafterConfig, Qwen3Config
+from dtree_jax.models import drafter
+from dtree_jax.models.config import DrafterConfig
 
 BOS, EOS, PAD, MASK = 256, 257, 258, 259
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>")
@@ -119,18 +119,18 @@ def _ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1))
 
 
-def _causal_forward(params, cfg: Qwen3Config, tokens: jax.Array, taps=()):
+def causal_forward(target, params, cfg, tokens: jax.Array, taps=()):  # tokens [B, T]
+    """``target``'s (``models.protocol.TargetModel``) prefill of whole sequences: ``(logits [B, T, V] fp32,
+    feats [B, T, len(taps) * H])``."""
     b, t = tokens.shape
-    cache = qwen3.init_cache(cfg, b, t)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    causal = jnp.broadcast_to(jnp.tri(t, dtype=bool), (b, t, t))
-    logits, feats, _ = qwen3.forward(params, cfg, tokens, pos, cache, jnp.zeros((b,), jnp.int32), causal, taps)
+    full = jnp.full((b,), t, jnp.int32)
+    logits, feats, _ = target.prefill(params, cfg, tokens, target.init_cache(cfg, b, t), full, taps)
     return logits, feats
 
 
-def target_loss(params, cfg: Qwen3Config, tokens: jax.Array) -> jax.Array:  # tokens [B, T]
-    """Mean next-token cross-entropy (nats per byte)."""
-    logits, _ = _causal_forward(params, cfg, tokens[:, :-1])
+def target_loss(target, params, cfg, tokens: jax.Array) -> jax.Array:  # tokens [B, T]
+    """Mean next-token cross-entropy of ``target`` (a ``TargetModel``; nats per token)."""
+    logits, _ = causal_forward(target, params, cfg, tokens[:, :-1])
     return _ce(logits, tokens[:, 1:])
 
 
@@ -143,7 +143,7 @@ def block_gather(x: jax.Array, anchors: jax.Array, offsets: jax.Array) -> jax.Ar
     return x[rows[:, None], pos]
 
 
-def draft_hidden(dparams, dcfg: DrafterConfig, tparams, feats, tokens, anchors) -> jax.Array:
+def draft_hidden(dparams, dcfg: DrafterConfig, target, tparams, feats, tokens, anchors) -> jax.Array:
     """Draft rows ``ph [B*J, K, H]`` for blocks anchored at ``anchors [B, J]`` of ``tokens [B, T]``, the
     target's taps of every position being ``feats [B, T, F]``.  Exactly the inference computation: context =
     the features of positions before the anchor, block = ``[token at anchor, MASK, ...]``; row d predicts the
@@ -155,29 +155,29 @@ def draft_hidden(dparams, dcfg: DrafterConfig, tparams, feats, tokens, anchors) 
     cache = drafter.append_context(dparams, dcfg, cache, jnp.zeros((b,), jnp.int32), feats, pos)
     cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, j, axis=0), cache)  # one copy per block
     root = block_gather(tokens, anchors, jnp.zeros((1,), jnp.int32))[:, 0]
-    ph_full = drafter.draft_block(dparams, dcfg, qwen3, tparams, cache, anchors.reshape(-1), root)
+    ph_full = drafter.draft_block(dparams, dcfg, target, tparams, cache, anchors.reshape(-1), root)
     return drafter.draft_rows(ph_full, dcfg)
 
 
-def drafter_logits(dparams, dcfg: DrafterConfig, tparams, tcfg: Qwen3Config, tokens, anchors):
+def drafter_logits(dparams, dcfg: DrafterConfig, target, tparams, tcfg, tokens, anchors):
     """Base and corrected draft logits for blocks anchored at ``anchors [B, J]`` of ``tokens [B, T]``.
 
     Returns ``(base [B*J, K, V], final [B*J, K, V], labels [B*J, K])``; row d predicts the token at
-    ``anchor + d + 1``.  The context is the frozen target's features of ``tokens`` (``draft_hidden``).
+    ``anchor + d + 1``.  The context is the frozen ``target``'s features of ``tokens`` (``draft_hidden``).
     """
     k_rows = jnp.arange(dcfg.num_draft_rows)
-    _, feats = _causal_forward(tparams, tcfg, tokens, tuple(dcfg.target_layer_ids))
-    ph = draft_hidden(dparams, dcfg, tparams, jax.lax.stop_gradient(feats), tokens, anchors)
+    _, feats = causal_forward(target, tparams, tcfg, tokens, tuple(dcfg.target_layer_ids))
+    ph = draft_hidden(dparams, dcfg, target, tparams, jax.lax.stop_gradient(feats), tokens, anchors)
     labels = block_gather(tokens, anchors, 1 + k_rows)
     path = block_gather(tokens, anchors, k_rows)
-    base = drafter.scale_logits(dcfg, qwen3.lm_head(tparams, tcfg, ph))
-    final = drafter.path_logits(dparams, dcfg, tparams, tcfg, ph, path) if dparams.head is not None else base
+    base = drafter.scale_logits(dcfg, target.lm_head(tparams, tcfg, ph))
+    final = drafter.path_logits(dparams, dcfg, target, tparams, tcfg, ph, path) if dparams.head is not None else base
     return base, final, labels
 
 
-def drafter_loss(dparams, dcfg, tparams, tcfg, tokens, anchors, lam) -> jax.Array:
+def drafter_loss(dparams, dcfg, target, tparams, tcfg, tokens, anchors, lam) -> jax.Array:
     """``(1 - lam) * CE(final) + lam * CE(base)`` over every block row."""
-    base, final, labels = drafter_logits(dparams, dcfg, tparams, tcfg, tokens, anchors)
+    base, final, labels = drafter_logits(dparams, dcfg, target, tparams, tcfg, tokens, anchors)
     return (1.0 - lam) * _ce(final, labels) + lam * _ce(base, labels)
 
 

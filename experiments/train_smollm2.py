@@ -161,7 +161,7 @@ def run_train(a) -> None:
 
     def loss(p, b, step):
         return distill.distill_loss(
-            p, dcfg, tparams, tcfg, b, distill.lambda_base(step, a.backbone_steps, a.head_steps)
+            p, dcfg, target.module, tparams, tcfg, b, distill.lambda_base(step, a.backbone_steps, a.head_steps)
         )
 
     def batch(step):

@@ -67,7 +67,7 @@ def train_target(out: pathlib.Path, steps: int, batch: int, length: int, lr: flo
     params = train.init_params(qwen3, cfg, jax.random.key(seed))
     stream = train.corpus("train")
     heldout = train.corpus("heldout")
-    loss = lambda p, b, s: train.target_loss(p, cfg, b)
+    loss = lambda p, b, s: train.target_loss(qwen3, p, cfg, b)
     params, log = train.fit(params, loss, train.windows(stream, batch, length + 1, seed), steps=steps, lr=lr,
                             desc="target")
     eval_loss = float(np.mean([jax.jit(loss)(params, b, 0) for b, _ in
@@ -100,7 +100,7 @@ def train_drafter(target_dir: pathlib.Path, out: pathlib.Path, steps: int, head_
         # lambda_base curriculum: 1.0 (backbone only) for the first stage, then linear decay to 0.3.
         frac = jnp.clip((step - steps) / max(head_steps, 1), 0.0, 1.0)
         lam = jnp.where(step < steps, 1.0, 1.0 - 0.7 * frac)
-        return train.drafter_loss(p, dcfg, tparams, tcfg, b[0], b[1], lam)
+        return train.drafter_loss(p, dcfg, qwen3, tparams, tcfg, b[0], b[1], lam)
 
     dparams, log = train.fit(dparams, loss, batches(), steps=total, lr=lr, desc="drafter")
     train.save_hf(out, dcfg_dict, train.hf_tensors(drafter, dcfg, dparams))

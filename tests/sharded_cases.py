@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from dtree_jax import api, cli, convert, loop  # noqa: E402
+from dtree_jax import api, cli, convert, loop, running  # noqa: E402
 from dtree_jax.models import qwen3_5, sharding  # noqa: E402
 from tests.oracles_hybrid import save_hybrid_pair  # noqa: E402
 
@@ -28,7 +28,7 @@ MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 
 @pytest.fixture(autouse=True)
 def fresh_compilations(monkeypatch):
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_no_weight_is_gathered_whole_in_a_round(dense):
     mesh = sharding.make_mesh(data=2, model=4)
     t, d = api.load_model(target, mesh), api.load_model(drafter, mesh)
     _run(t, d, "dominotree", mesh)
-    ((compiled, *_),) = api.COMPILED.values()
+    ((compiled, *_),) = running.COMPILED.values()
     hlo = compiled.as_text()
     assert "all-reduce" in hlo or "all-gather" in hlo  # it is really split
     assert _full_weight_gathers(hlo, (t.params, d.params)) == []

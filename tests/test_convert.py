@@ -22,6 +22,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from dtree_jax import convert as cv
+from dtree_jax.models import families
 from tests import oracles
 
 # ----------------------------------------------------------------------------------------------------------
@@ -115,10 +116,10 @@ def real_models():
 def fake_models(request, monkeypatch):
     if "real_models" in request.fixturenames:
         return
-    for kind in cv.MODEL_MODULES:
-        name = f"_fake_dtree_{kind}"
-        monkeypatch.setitem(sys.modules, name, _fake_module(name, drafter=kind == "drafter"))
-        monkeypatch.setitem(cv.MODEL_MODULES, kind, name)
+    for family in list(families.FAMILIES.values()):
+        name = f"_fake_dtree_{family.name}"
+        monkeypatch.setitem(sys.modules, name, _fake_module(name, drafter=family.drafter))
+        monkeypatch.setitem(families.FAMILIES, family.name, dataclasses.replace(family, module=name))
 
 
 TARGET_CONFIG = {
@@ -142,7 +143,7 @@ DRAFTER_CONFIG = {
 def _tensors(config: dict, dtype=np.float32, seed: int = 0) -> dict[str, np.ndarray]:
     """Random tensors for every key of the fake model of ``config`` (values exact in bf16)."""
     kind = cv.model_kind(config)
-    module = cv.model_module(kind)
+    module = families.module(kind)
     rng = np.random.default_rng(seed)
     shapes = module.hf_shapes(module.config_from_hf(config))
     return {k: (rng.integers(-64, 64, s) / 8).astype(dtype) for k, s in shapes.items()}
@@ -351,7 +352,8 @@ def test_bad_input_names_file_and_key(tmp_path, what):
 
 
 def test_missing_model_module_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(cv.MODEL_MODULES, "qwen3", "dtree_jax.models.not_written_yet")
+    monkeypatch.setitem(families.FAMILIES, "qwen3",
+                        dataclasses.replace(families.DENSE, module="dtree_jax.models.not_written_yet"))
     with pytest.raises(ValueError, match="needs dtree_jax.models.not_written_yet"):
         cv.load_hf(_save(tmp_path, _tensors(TARGET_CONFIG), TARGET_CONFIG))
 
@@ -399,7 +401,7 @@ def test_orbax_round_trip_equals_load_hf(tmp_path, hf_dirs, dtype):
     # Explicit shardings: one for all leaves, or a matching pytree.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     _, target_cfg, one = cv.load_converted(out / "target", device)
-    abstract = cv.model_module("qwen3").abstract_params(target_cfg, jnp.dtype(dtype))
+    abstract = families.module("qwen3").abstract_params(target_cfg, jnp.dtype(dtype))
     _, _, tree = cv.load_converted(out / "target", jax.tree.map(lambda _: device, abstract))
     _assert_same(one, tree)
     assert all(x.sharding == device for x in jax.tree.leaves(tree))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtree_jax import api, cpu_options, loop
+from dtree_jax import api, cpu_options, loop, running
 from dtree_jax.api import generate
 from dtree_jax.models import drafter
 from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
@@ -20,20 +20,20 @@ from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's
 
 def _unbaked(monkeypatch):
     monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
 
 
 @pytest.mark.parametrize("method", ["ar", "dominotree"])
 def test_baked_program_gives_the_argument_programs_tokens(models, method, monkeypatch):
     _, target, draft = models
     assert cpu_options.bakes_weights(None, target.params, draft.params)
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
     baked = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
-    (key,) = api.COMPILED
+    (key,) = running.COMPILED
     assert key[1]  # compiled with the params' identity in its key: the weights are baked in
     _unbaked(monkeypatch)
     plain = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
-    (key,) = api.COMPILED
+    (key,) = running.COMPILED
     assert not key[1]
     assert baked.tokens == plain.tokens
     assert [s["rounds"] for s in baked.stats] == [s["rounds"] for s in plain.stats]  # the same drafts accepted
@@ -73,11 +73,11 @@ def test_new_weights_of_the_same_shapes_get_their_own_program(models, monkeypatc
     """A baked program answers for its own weights only: the same shapes with other weights compile again and
     give those weights' tokens (a cache keyed on shapes alone would replay the first model's)."""
     _, target, _ = models
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
     first = generate(target, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
     other = dataclasses.replace(target, params=jax.tree.map(lambda x: x[::-1] if x.ndim == 2 else x, target.params))
     second = generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
-    assert len(api.COMPILED) == 2 and second.tokens != first.tokens
+    assert len(running.COMPILED) == 2 and second.tokens != first.tokens
     _unbaked(monkeypatch)
     assert generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=()).tokens == second.tokens
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax import api, loop
+from dtree_jax import api, loop, running
 from dtree_jax.cost import auto_budget
 from dtree_jax.api import Model, generate
 from dtree_jax.models import drafter, qwen3
@@ -66,7 +66,7 @@ def test_greedy_lossless_with_oracle_drafter_accepts_long_paths(models, ar_token
     _, target, draft = models
     reference = np.array([t + [0] * 40 for t in ar_tokens], np.int32)
     monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft))
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
     jax.clear_caches()
     got = generate(target, PROMPTS, method, draft, budget=10, max_new_tokens=24, stop_ids=())
     jax.clear_caches()
@@ -306,14 +306,15 @@ def test_package_exports_generate_lazily():
 
 def test_every_target_module_satisfies_the_target_protocol():
     """The loop calls these and nothing else on a target (no duck typing of optional hooks)."""
-    from dtree_jax.convert import MODEL_MODULES
-    from dtree_jax.models import protocol
+    from dtree_jax.models import families, protocol
 
-    targets = {kind for kind in MODEL_MODULES if kind != "drafter"}
+    targets = set(families.target_kinds())
     assert targets >= {"qwen3", "qwen2", "llama", "qwen3_5"}
     for kind in targets:
         assert isinstance(Model(kind, None, None).module, protocol.TargetModel), kind
     assert not isinstance(Model("drafter", None, None).module, protocol.TargetModel)
+    assert isinstance(Model("drafter", None, None).module, protocol.DrafterModel)
+    assert not isinstance(Model("qwen3", None, None).module, protocol.DrafterModel)
 
 
 def test_stats_are_per_request_and_plain_numbers(models):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax import api, convert, loop
+from dtree_jax import api, convert, loop, running
 from dtree_jax.api import generate
 from dtree_jax.models import qwen3_5
 from tests.oracles_hybrid import save_hybrid_pair
@@ -48,7 +48,7 @@ def _oracle_run(ckpts, monkeypatch):
     _, _, target, draft, ar = ckpts
     reference = np.array([t + [0] * 40 for t in ar], np.int32)
     monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft, decoy=True))
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
     jax.clear_caches()
     try:
         return generate(target, PROMPTS, "dominotree", draft, budget=10, max_new_tokens=20, stop_ids=())

@@ -136,9 +136,9 @@ def test_candidate_logits_are_the_full_heads_at_the_candidates():
     path = jnp.asarray(rng.integers(0, 128, (5, k)), jnp.int32)
     own = jnp.asarray(rng.integers(0, 128, (5, k, 7)), jnp.int32)
     shared = jnp.asarray(rng.integers(0, 128, 4), jnp.int32)
-    base, final = distill.candidate_logits(dparams, dcfg, target.params, target.cfg, ph, path, own, shared)
+    base, final = distill.candidate_logits(dparams, dcfg, qwen3, target.params, target.cfg, ph, path, own, shared)
     cand = jnp.concatenate([own, jnp.broadcast_to(shared, (5, k, 4))], -1)
-    full_final = drafter.path_logits(dparams, dcfg, target.params, target.cfg, ph, path)
+    full_final = drafter.path_logits(dparams, dcfg, qwen3, target.params, target.cfg, ph, path)
     full_base = qwen3.lm_head(target.params, target.cfg, ph)
     np.testing.assert_allclose(final, jnp.take_along_axis(full_final, cand, -1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(base, jnp.take_along_axis(full_base, cand, -1), rtol=1e-5, atol=1e-5)
@@ -151,7 +151,7 @@ def _fit(data, ckpt, dcfg, dparams, steps, stop_at=None, meta=None):
 
     def loss(p, b, step):
         return distill.distill_loss(
-            p, dcfg, target.params, target.cfg, b, distill.lambda_base(step, steps // 2, steps // 2)
+            p, dcfg, qwen3, target.params, target.cfg, b, distill.lambda_base(step, steps // 2, steps // 2)
         )
 
     def batch(step):
@@ -324,8 +324,8 @@ def test_full_vocabulary_objective_is_the_block_objective_on_greedy_data(data_di
         anchors=anchors,
         negatives=np.zeros((0,), np.int32),
     )
-    kd = jax.jit(lambda b: distill.distill_loss(dparams, dcfg, target.params, target.cfg, b, 0.25)[0])
-    want = jax.jit(lambda t: train.drafter_loss(dparams, dcfg, target.params, target.cfg, t, anchors, 0.25))
+    kd = jax.jit(lambda b: distill.distill_loss(dparams, dcfg, qwen3, target.params, target.cfg, b, 0.25)[0])
+    want = jax.jit(lambda t: train.drafter_loss(dparams, dcfg, qwen3, target.params, target.cfg, t, anchors, 0.25))
     np.testing.assert_allclose(kd(b), want(b["tokens"]), rtol=1e-2)
     sampled = kd(dict(b, negatives=np.arange(6, 40, dtype=np.int32)))
     assert abs(float(sampled) - float(want(b["tokens"]))) > 1e-3  # the sampled denominator is an estimate

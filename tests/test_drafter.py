@@ -135,7 +135,7 @@ def test_path_logits_match_specforge_head(shift_label):
     ph = drafter.draft_rows(jnp.asarray(ph_full), cfg)
     k = cfg.num_draft_rows
     assert ph.shape == (b, k, tcfg.hidden_size)
-    out = drafter.path_logits(params, cfg, tparams, tcfg, ph, jnp.asarray(tokens[:, :k], jnp.int32))
+    out = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, ph, jnp.asarray(tokens[:, :k], jnp.int32))
     offset = 0 if shift_label else 1  # ph[d] = ph_full[d + offset]
     np.testing.assert_allclose(out, ref[:, offset:], **TOL)
     # rows before pure_draft_prefix_len are the base logits; later rows really are corrected
@@ -162,7 +162,7 @@ def test_plain_dflash_params_and_logits():
     ph = drafter.draft_rows(
         jnp.asarray(rng.standard_normal((1, cfg.block_size, tcfg.hidden_size)), jnp.float32), cfg
     )
-    out = drafter.path_logits(params, cfg, tparams, tcfg, ph, jnp.zeros((1, ph.shape[1]), jnp.int32))
+    out = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, ph, jnp.zeros((1, ph.shape[1]), jnp.int32))
     np.testing.assert_allclose(out, qwen3.lm_head(tparams, tcfg, ph), rtol=1e-6)
 
 

@@ -179,7 +179,7 @@ def test_output_multiplier_and_softcap_match_the_dflash_package():
     cfg = drafter.config_from_hf(d, dtype="float32")
     params = drafter.params_from_hf(cfg, lambda k: state[k].detach().float().numpy(), jnp.float32)
     ph = np.random.default_rng(4).standard_normal((2, cfg.num_draft_rows, tcfg.hidden_size)).astype(np.float32)
-    ours = drafter.path_logits(params, cfg, tparams, tcfg, jnp.asarray(ph), jnp.zeros(ph.shape[:2], jnp.int32))
+    ours = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, jnp.asarray(ph), jnp.zeros(ph.shape[:2], jnp.int32))
     with torch.no_grad():
         ref = reference.compute_logits(torch.from_numpy(ph), tmodel.lm_head).numpy()
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)

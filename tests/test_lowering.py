@@ -15,13 +15,13 @@ import jax.extend as jex
 import jax.numpy as jnp
 import pytest
 
-from dtree_jax import api
+from dtree_jax import aot, api
 from dtree_jax.api import Model, trace_generation, with_kernels
 from dtree_jax.cli import SHIPPED_TINY, shipped
 from dtree_jax.models import drafter, kernels, qwen3, qwen3_5
 
 LOWERING = {"tpu": "tpu", "gpu": "cuda"}  # kernel platform -> lowering platform
-KIND = {"tpu": "mosaic", "gpu": "triton"}  # kernel platform -> kernel kind (kernels.lowered_kernel_calls)
+KIND = {"tpu": "mosaic", "gpu": "triton"}  # kernel platform -> kernel kind (aot.lowered_kernel_calls)
 KERNEL_BODIES = {"tpu": "_tpu_kernel", "gpu": "_gpu_kernel"}  # tree attention's kernel functions
 GDN_BODY = "_tree_gdn_kernel"
 
@@ -97,7 +97,7 @@ def test_generation_lowers_with_kernels(model_pairs, method, target_kind, dtype,
     traced, text = lower_generation(target, draft, method, platform)
     want = expected_kernels(target, draft, method, platform)
     assert dict(_pallas_bodies(traced.jaxpr.jaxpr)) == want
-    calls = kernels.lowered_kernel_calls(text)
+    calls = aot.lowered_kernel_calls(text)
     assert calls == {"mosaic": 0, "triton": 0, "mosaic_gpu": 0, KIND[platform]: sum(want.values())}
 
 
@@ -105,7 +105,7 @@ def test_gdn_verify_takes_the_xla_path_on_gpu_on_purpose():
     """The dispatch table, not an accident of tracing: GPU has no tree-GDN kernel, TPU and CPU do."""
     cfg = qwen3_5.config_from_hf(HYBRID, attention_impl="pallas")
     impls = {p: dataclasses.replace(cfg, kernel_platform=p).gdn_impl for p in ("tpu", "gpu", "cpu")}
-    assert impls == {"tpu": "pallas", "gpu": "xla", "cpu": "interpret"}
+    assert impls == {"tpu": "mosaic", "gpu": "xla", "cpu": "interpret"}
     assert dataclasses.replace(cfg, attention_impl="xla", kernel_platform="tpu").gdn_impl == "xla"
     dense = qwen3.config_from_hf(DENSE, attention_impl="pallas")
     attn = {p: kernels.attention_kwargs(dataclasses.replace(dense, kernel_platform=p)) for p in ("tpu", "gpu", "cpu")}
@@ -143,7 +143,7 @@ def test_shipped_pair_bf16_dominotree_lowers_for_cuda():
     for platform in ("gpu", "tpu"):
         traced, text = lower_generation(target, draft, "dominotree", platform)
         want = expected_kernels(target, draft, "dominotree", platform)
-        assert kernels.lowered_kernel_calls(text)[KIND[platform]] == sum(want.values()) == 9
+        assert aot.lowered_kernel_calls(text)[KIND[platform]] == sum(want.values()) == 9
 
 
 def test_with_kernels_sets_target_and_drafter_backbone(model_pairs):

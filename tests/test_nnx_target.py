@@ -136,13 +136,13 @@ def test_every_method_equals_the_models_own_greedy_decoding(pair, method):
 
 def test_long_accepted_paths_commit_through_the_adapter(pair, monkeypatch):
     """With a drafter that mostly knows the continuation, multi-node paths are accepted and compacted."""
-    from dtree_jax import api, loop
+    from dtree_jax import loop, running
     from tests.oracles import oracle_draft
 
     module, target, draft = pair
     want = [module.greedy(p, 16) for p in PROMPTS]
     monkeypatch.setattr(loop, "draft", oracle_draft(np.array([w + [0] * 40 for w in want], np.int32), loop.draft))
-    monkeypatch.setattr(api, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", {})
     jax.clear_caches()
     got = generate(target, PROMPTS, "dominotree", draft, budget=8, max_new_tokens=16, stop_ids=())
     jax.clear_caches()

@@ -24,6 +24,31 @@ def test_sharded_cases_on_eight_host_devices():
     assert re.search(r"\b\d+ passed", run.stdout) and "failed" not in run.stdout, run.stdout[-2000:]
 
 
+def test_axes_are_declared_next_to_the_leaves_and_an_undeclared_leaf_is_an_error():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        table: jax.Array = sharding.axes("vocab", None)  # [V, H]
+        layers: tuple  # of dicts, whose leaves no field declares
+        scale: jax.Array = sharding.axes(None, default=None)  # [H]
+
+    toy = Toy(jnp.zeros((8, 4)), ({"w": jnp.zeros((4, 4))},), jnp.ones(4))
+    assert sharding.leaf_axes(toy) == [(".table", ("vocab", None)), (".layers[0]['w']", None), (".scale", (None,))]
+    assert sharding.unknown_leaves(toy) == [".layers[0]['w']"]
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match=r"\.layers\[0\]\['w'\] declares no logical axes"):
+        sharding.shardings(toy, mesh)
+    declared = dataclasses.replace(toy, layers=())
+    assert sharding.shardings(declared, mesh).table.spec == jax.sharding.PartitionSpec()  # one device: replicated
+    with pytest.raises(ValueError, match="rank-1"):
+        sharding.shardings(dataclasses.replace(declared, table=jnp.zeros(8)), mesh)
+    assert sharding.per_device_bytes(toy, mesh) == 4 * (32 + 16 + 4)  # one device holds it all, declared or not
+
+
 @pytest.mark.parametrize("text, sizes", [("data=2,model=4", (2, 4)), ("model=8", (1, 8)), ("data=8", (8, 1)),
                                          (" data = 2 , model = 2 ", (2, 2))])
 def test_mesh_strings(text, sizes):

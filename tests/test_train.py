@@ -53,7 +53,7 @@ def test_drafter_objective_is_the_inference_computation(tiny_pair):
     tcfg, tparams, dcfg, dparams = tiny_pair
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 24)), jnp.int32)
     anchors = jnp.array([[5, 11]], jnp.int32)
-    base, final, labels = train.drafter_logits(dparams, dcfg, tparams, tcfg, tokens, anchors)
+    base, final, labels = train.drafter_logits(dparams, dcfg, qwen3, tparams, tcfg, tokens, anchors)
     for j, a in enumerate([5, 11]):
         cache = qwen3.init_cache(tcfg, 1, 32)
         pos = jnp.arange(a)[None]
@@ -72,7 +72,7 @@ def test_drafter_training_step_reduces_loss(tiny_pair):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 20)), jnp.int32)
     anchors = jnp.array([[3, 9], [4, 12]], jnp.int32)
     batches = iter([(tokens, anchors)] * 12)
-    loss = lambda p, b, s: train.drafter_loss(p, dcfg, tparams, tcfg, b[0], b[1], 0.5)
+    loss = lambda p, b, s: train.drafter_loss(p, dcfg, qwen3, tparams, tcfg, b[0], b[1], 0.5)
     _, log = train.fit(dparams, loss, batches, steps=12, lr=1e-2, warmup=1, log_every=1)
     assert log.losses[-1] < log.losses[0]
 

@@ -5,14 +5,13 @@ from dtree_jax.builders.frontier import frontier_tree, lane_widths
 from dtree_jax.builders.heap import best_first, heap_tree
 from dtree_jax.builders.methods import (
     BUILDERS,
-    DRAFT_METHODS,
     REGISTRY,
-    TREE_METHODS,
     Method,
+    ScorerFactory,
     build_tree,
     chain_draft,
     get_method,
-    make_scorer,
+    register_method,
 )
 from dtree_jax.builders.scorers import (
     DominoScorer,
@@ -27,10 +26,9 @@ from dtree_jax.builders.scorers import (
 
 __all__ = [
     "BUILDERS",
-    "DRAFT_METHODS",
     "REGISTRY",
-    "TREE_METHODS",
     "Method",
+    "ScorerFactory",
     "DominoScorer",
     "DraftRound",
     "MenuScorer",
@@ -43,8 +41,8 @@ __all__ = [
     "domino_scorer",
     "frontier_tree",
     "get_method",
+    "register_method",
     "heap_tree",
     "lane_widths",
-    "make_scorer",
     "marginal_scorer",
 ]

@@ -1,5 +1,6 @@
 """The method registry (``REGISTRY``: name -> frozen ``Method``) and ``build_tree``, which builds any drafting
-method's tree from its scorer.  Adding a method is one registry entry.
+method's tree from its scorer.  Adding a method is one ``Method`` (its scorer factory and static settings), in
+``REGISTRY`` or through ``register_method``.
 
 =============  ==========================================  =========================
 method         scorer                                      builder
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ from dtree_jax.builders.heap import heap_tree
 from dtree_jax.builders.scorers import (
     DominoScorer,
     DraftRound,
+    MenuScorer,
     chain_menus,
     condstatic_scorer,
     domino_scorer,
@@ -35,30 +38,34 @@ from dtree_jax.builders.scorers import (
 from dtree_jax.models.domino_head import DominoHead
 from dtree_jax.tree import Tree, chain_tree
 
+ScorerFactory = Callable[..., Any]  # (rnd, head, embed, *, k, M, P) -> a scorer (``scorers``' protocol)
+
+
+def _marginal(rnd: DraftRound, head, embed, *, k: int, M: int, P: int) -> MenuScorer:
+    """``marginal_scorer`` as a ``ScorerFactory`` (it reads only the base logits)."""
+    return marginal_scorer(rnd, k=k)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One decoding method: which scorer rates its drafts, and whether it verifies a tree or a chain.
+    """One decoding method: the scorer that rates its drafts, and whether it verifies a tree or a chain.
 
-    ``scorer``: "marginal" (per-depth top-k of the base logits), "domino" (the GRU correction along each
-    node's own path), "condstatic" (the correction once per depth along the greedy chain), or None (``ar``:
-    no drafter).  ``tree``: a best-first tree of ``budget`` non-root nodes, else the greedy chain of
-    ``min(max_depth, K)`` drafts.  ``corr_topm``: the default candidate width M, the reference's (specforge's
-    Domino chain corrects over the full vocabulary, 0; Domino-Tree's builder over the top 64).
+    ``scorer``: the factory of this round's scorer, ``(rnd, head, embed, *, k, M, P) -> scorer`` (None: ``ar``,
+    no drafter); ``needs_head``: whether that scorer reads the Domino GRU head (and the embedding table).
+    ``tree``: a best-first tree of ``budget`` non-root nodes, else the greedy chain of ``min(max_depth, K)``
+    drafts.  ``corr_topm``: the default candidate width M, the reference's (specforge's Domino chain corrects
+    over the full vocabulary, 0; Domino-Tree's builder over the top 64).
     """
 
     name: str
-    scorer: str | None
+    scorer: ScorerFactory | None
+    needs_head: bool = False
     tree: bool = False
     corr_topm: int = 0
 
     @property
     def drafts(self) -> bool:
         return self.scorer is not None
-
-    @property
-    def needs_head(self) -> bool:
-        """Whether it needs a Domino drafter (the GRU correction head)."""
-        return self.scorer in ("domino", "condstatic")
 
     def draft_nodes(self, budget: int, depth: int) -> int:
         """Non-root nodes of a round's draft: ``budget`` for trees, ``depth`` for chains, 0 for ``ar``."""
@@ -69,16 +76,29 @@ REGISTRY = {
     m.name: m
     for m in (
         Method("ar", None),
-        Method("dflash", "marginal"),
-        Method("domino", "domino"),
-        Method("ddtree", "marginal", tree=True),
-        Method("dominotree", "domino", tree=True, corr_topm=64),
-        Method("condstatic", "condstatic", tree=True, corr_topm=64),  # the section 4.8 ablation
+        Method("dflash", _marginal),
+        Method("domino", domino_scorer, needs_head=True),
+        Method("ddtree", _marginal, tree=True),
+        Method("dominotree", domino_scorer, needs_head=True, tree=True, corr_topm=64),
+        Method("condstatic", condstatic_scorer, needs_head=True, tree=True, corr_topm=64),  # section 4.8 ablation
     )
 }
-DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.drafts)  # what build_tree builds
-TREE_METHODS = tuple(name for name, m in REGISTRY.items() if m.tree)
 BUILDERS = ("frontier", "heap")
+
+
+def register_method(method: Method) -> Method:
+    """Adds ``method`` to the registry (every entry point then runs it by name); ValueError if its name is taken
+    or its scorer is not callable.  Returns it."""
+    if not isinstance(method, Method) or not isinstance(method.name, str) or not method.name:
+        raise ValueError(f"expected a Method with a name, got {method!r}")
+    if method.name in REGISTRY:
+        raise ValueError(f"a method called {method.name!r} is registered already")
+    if method.scorer is not None and not callable(method.scorer):
+        raise ValueError(f"method {method.name!r}: scorer must be a ScorerFactory (callable), got {method.scorer!r}")
+    if method.tree and not method.drafts:
+        raise ValueError(f"method {method.name!r}: a tree method needs a scorer")
+    REGISTRY[method.name] = method
+    return method
 
 
 def get_method(name: str) -> Method:
@@ -86,18 +106,6 @@ def get_method(name: str) -> Method:
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; expected one of {tuple(REGISTRY)}")
     return REGISTRY[name]
-
-
-def make_scorer(
-    method: str, rnd: DraftRound, head: DominoHead | None, embed: jax.Array | None, *, k: int, M: int, P: int
-):
-    """The method's scorer for this round (no validation; see ``build_tree``)."""
-    scorer = get_method(method).scorer
-    if scorer == "marginal":
-        return marginal_scorer(rnd, k=k)
-    if scorer == "domino":
-        return domino_scorer(rnd, head, embed, k=k, M=M, P=P)
-    return condstatic_scorer(rnd, head, embed, k=k, M=M, P=P)
 
 
 def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
@@ -113,22 +121,23 @@ def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
 def jitted_build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
     """The jitted frontier / chain builder behind ``build_tree`` (validated knobs; one compilation per static
     knobs and shapes)."""
-    if not get_method(method).tree:
-        scorer = make_scorer(method, rnd, head, embed, k=1, M=M, P=P)
+    record = get_method(method)
+    if not record.tree:
+        scorer = record.scorer(rnd, head, embed, k=1, M=M, P=P)
         return chain_draft(scorer, rnd.root, max_depth=max_depth)
-    scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+    scorer = record.scorer(rnd, head, embed, k=k, M=M, P=P)
     return frontier_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "k", "M", "P"))
 def _round_tables(method, rnd, head, embed, *, k, M, P):
     """The scorer's per-round arrays; the weights are left out so that jit does not copy them."""
-    scorer = make_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+    scorer = get_method(method).scorer(rnd, head, embed, k=k, M=M, P=P)
     return dataclasses.replace(scorer, head=None, embed=None) if isinstance(scorer, DominoScorer) else scorer
 
 
 def _host_scorer(method, rnd, head, embed, *, k, M, P):
-    """``make_scorer`` computed in one jitted call, for the host heap."""
+    """The method's scorer computed in one jitted call, for the host heap."""
     scorer = _round_tables(method, rnd, head, embed, k=k, M=M, P=P)
     return dataclasses.replace(scorer, head=head, embed=embed) if isinstance(scorer, DominoScorer) else scorer
 
@@ -158,14 +167,15 @@ def build_tree(
     tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
     Callable inside ``jax.jit`` with the frontier builder (all checks are on shapes and Python values).
     """
-    spec = get_method(method)
-    if not spec.drafts:
-        raise ValueError(f"method {method!r} drafts nothing; expected one of {DRAFT_METHODS}")
+    record = get_method(method)
+    if not record.drafts:
+        drafting = tuple(name for name, m in REGISTRY.items() if m.drafts)
+        raise ValueError(f"method {method!r} drafts nothing; expected one of {drafting}")
     if builder not in BUILDERS:
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
-    b, depth, vocab = _check_round(rnd, head, embed, needs_head=spec.needs_head)
+    b, depth, vocab = _check_round(rnd, head, embed, needs_head=record.needs_head)
     max_depth = depth if max_depth is None else max_depth
-    corr_topm = spec.corr_topm if corr_topm is None else corr_topm
+    corr_topm = record.corr_topm if corr_topm is None else corr_topm
     knobs = {"budget": (budget, 1), "node_topk": (node_topk, 1), "max_depth": (max_depth, 1),
              "corr_topm": (corr_topm, 0), "pure_draft_prefix_len": (pure_draft_prefix_len, 0)}
     for name, (value, low) in knobs.items():
@@ -177,13 +187,13 @@ def build_tree(
     k = min(k, M) if M > 0 else k
     if k > vocab:
         raise ValueError(f"node_topk = {k} exceeds the vocabulary size {vocab}")
-    if spec.tree:
+    if record.tree:
         if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < vocab:
             raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
         mask_token_id = int(mask_token_id)
     else:
         mask_token_id = None
-    if builder == "heap" and spec.tree:
+    if builder == "heap" and record.tree:
         scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, P=P)
         return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
     return jitted_build(

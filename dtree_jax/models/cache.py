@@ -12,13 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.sharding import axes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
-    v: tuple[jax.Array, ...]  # per layer [B, S, Hkv * kv_head_repeat, D]
+    # per layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
+    k: tuple[jax.Array, ...] = axes("batch", None, "cache_kv_heads", None)
+    v: tuple[jax.Array, ...] = axes("batch", None, "cache_kv_heads", None)  # per layer [B, S, Hkv * kv_head_repeat, D]
 
     @property
     def capacity(self) -> int:

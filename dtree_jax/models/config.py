@@ -7,11 +7,12 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from dtree_jax.models import families
+
 ATTENTION_IMPLS = ("xla", "pallas")
 KERNEL_PLATFORMS = ("tpu", "gpu", "cpu")  # kernel_platform: whose kernels "pallas" selects (models/kernels.py)
 HEAD_PROJECTORS = ("domino", "causal_v5")  # "causal_v5" is the legacy name of the Domino head
 ROPE_TYPES = ("default", "llama3")  # what the dense models implement (the hybrid ones: default only)
-DENSE_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # Qwen3Config.from_hf's switches per HF model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Qwen3Config:
         """From an HF ``Qwen3Config`` / ``LlamaConfig`` / ``Qwen2Config`` dict (``model_type`` sets the
         switches; absent or any other value: Qwen3); ``overrides`` sets ``dtype``/``attention_impl`` (or any
         field).  What these models can be configured to do and is not implemented here is refused."""
-        model_type = d.get("model_type") if d.get("model_type") in DENSE_MODEL_TYPES else "qwen3"
+        model_type = d.get("model_type") if d.get("model_type") in families.DENSE.model_types else "qwen3"
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
         if d.get("attention_bias"):

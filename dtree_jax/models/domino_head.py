@@ -14,14 +14,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dtree_jax.models.sharding import axes
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DominoHead:
-    w_ih: jax.Array  # [H, 3G]
-    w_hh: jax.Array  # [G, 3G]
-    w1: jax.Array  # [H + G, E]
-    w2: jax.Array  # [V, E]
+    w_ih: jax.Array = axes(None, None)  # [H, 3G]
+    w_hh: jax.Array = axes(None, None)  # [G, 3G]
+    w1: jax.Array = axes(None, None)  # [H + G, E]
+    w2: jax.Array = axes("vocab", None)  # [V, E]
 
     @property
     def gru_dim(self) -> int:

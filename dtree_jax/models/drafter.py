@@ -22,9 +22,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models import qwen3
 from dtree_jax.models.cache import KVCache, init_kv_cache
-from dtree_jax.models.config import DrafterConfig, Qwen3Config
+from dtree_jax.models.config import DrafterConfig
 from dtree_jax.models.domino_head import DominoHead, corrected_logits, gru_run, gru_step
 from dtree_jax.models.layers import (
     LayerParams,
@@ -39,17 +38,19 @@ from dtree_jax.models.layers import (
     rope_tables,
     write_rows,
 )
+from dtree_jax.models.sharding import axes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DrafterParams:
-    fc: jax.Array  # [n_feat * H, H]
-    hidden_norm: jax.Array  # [H]
+    fc: jax.Array = axes("taps", None)  # [n_feat * H, H]
+    hidden_norm: jax.Array = axes(None)  # [H]
     layers: tuple[LayerParams, ...]
-    norm: jax.Array  # [H]
+    norm: jax.Array = axes(None)  # [H]
     head: DominoHead | None  # None for a plain DFlash checkpoint
-    lm_head: jax.Array | None = None  # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head (with_own_head)
+    # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head (with_own_head)
+    lm_head: jax.Array | None = axes(None, "vocab", default=None)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
@@ -197,6 +198,18 @@ def draft_round(
     return ph, base, gru_step(params.head, zeros, embed_root)
 
 
+def tree_inputs(params: DrafterParams, cfg: DrafterConfig, target, target_params) -> dict:
+    """What the tree builders read besides the round (``builders.build_tree``'s keywords): the Domino GRU head
+    (None for plain DFlash), the target's embedding table (the GRU's inputs), the uncorrected prefix depths P and
+    the dead-leaf token."""
+    return dict(
+        head=params.head,
+        embed=target.embed_table(target_params),
+        pure_draft_prefix_len=cfg.pure_draft_prefix_len,
+        mask_token_id=cfg.mask_token_id,
+    )
+
+
 OWN_HEAD_PAD = 128  # zero columns that make the drafter's copy of the head a different shape from the target's
 
 
@@ -243,18 +256,19 @@ def draft_rows(ph_full: jax.Array, cfg: DrafterConfig) -> jax.Array:
 def path_logits(
     params: DrafterParams,
     cfg: DrafterConfig,
-    target_params: qwen3.Qwen3Params,
-    target_cfg: Qwen3Config,
+    target,  # the target's module (``models.protocol.TargetModel``): its embed and lm_head
+    target_params,
+    target_cfg,
     ph: jax.Array,  # [B, K, H] from draft_rows (any K' <= K leading rows)
     path: jax.Array,  # [B, K] int32 tokens [root, t_1, ..., t_{K-1}] along one path
 ) -> jax.Array:  # [B, K, V] fp32
     """Draft logits for depths ``1..K`` along ``path``: row ``d`` is ``lm_head(ph[d])``, plus for
     ``d >= pure_draft_prefix_len`` (Domino only) ``W2 . SiLU(W1 . [ph[d] ; s_d])`` with ``s_d`` the GRU state
     after the target embeddings of ``path[:d + 1]``."""
-    base = scale_logits(cfg, qwen3.lm_head(target_params, target_cfg, ph))
+    base = scale_logits(cfg, target.lm_head(target_params, target_cfg, ph))
     if params.head is None:
         return base
-    states = gru_run(params.head, qwen3.embed(target_params, path))  # [B, K, G]
+    states = gru_run(params.head, target.embed(target_params, path))  # [B, K, G]
     corrected = corrected_logits(params.head, base, ph, states)
     use_head = jnp.arange(ph.shape[1]) >= cfg.pure_draft_prefix_len
     return jnp.where(use_head[None, :, None], corrected, base)

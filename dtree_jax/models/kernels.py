@@ -45,44 +45,12 @@ def kernel_choice(op: str, cfg) -> str:
 
 
 def attention_kwargs(cfg) -> dict:
-    """``tree_attention``'s ``backend`` / ``interpret`` for ``cfg`` (backend "xla": the jnp reference)."""
+    """``tree_attention``'s ``backend`` / ``interpret`` for ``cfg`` (backend "xla": the jnp reference): the
+    kernel choice in the kernel package's own terms (``tree_gdn_mixer`` takes the choice as it is)."""
     choice = kernel_choice("tree_attention", cfg)
     backend = {"mosaic": "tpu", "triton": "gpu", "interpret": "tpu", "xla": "xla"}[choice]
     return dict(backend=backend, interpret=choice == "interpret")
 
 
-def gdn_impl(cfg) -> str:
-    """``tree_gdn_mixer``'s ``impl`` for ``cfg``: "pallas", "interpret" or "xla"."""
-    return {"mosaic": "pallas", "interpret": "interpret", "xla": "xla"}[kernel_choice("tree_gdn", cfg)]
-
-
-# The custom-call targets the kernels lower to, by kernel kind.
-CUSTOM_CALLS = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton"}
-
-
-def lowered_kernel_calls(text: str) -> dict[str, int]:
-    """Kernel calls executed by a lowered StableHLO module (``Lowered.as_text()``), per kind ("mosaic",
-    "triton"; "mosaic_gpu" if any kernel fell to that backend).  A jitted callee is emitted once and called
-    from several places, so calls are summed over the ``call`` graph from ``main``."""
-    import re
-
-    funcs = dict(re.findall(r"func\.func (?:public |private )?@([\w$.-]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S))
-    patterns = {kind: re.escape(t) + r"\b" for kind, t in CUSTOM_CALLS.items()}
-    patterns["mosaic_gpu"] = r"mosaic_gpu\w*"  # "mosaic_gpu_v2" in jax 0.10
-    memo: dict[str, dict[str, int]] = {}
-
-    def calls(name: str) -> dict[str, int]:
-        if name not in memo:
-            body = funcs.get(name, "")
-            got = {kind: len(re.findall(r"custom_call @" + pat, body)) for kind, pat in patterns.items()}
-            for callee in re.findall(r"\bcall @([\w$.-]+)\(", body):
-                for kind, n in calls(callee).items():
-                    got[kind] += n
-            memo[name] = got
-        return memo[name]
-
-    return calls("main")
-
-
 __all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice",
-           "attention_kwargs", "gdn_impl", "CUSTOM_CALLS", "lowered_kernel_calls"]
+           "attention_kwargs"]

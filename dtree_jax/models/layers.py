@@ -14,11 +14,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
 from dtree_jax.models.config import Llama3RoPE, Qwen3Config, repeat_kv
 from dtree_jax.models.kernels import attention_kwargs
+from dtree_jax.models.sharding import axes
 from pallas_kernels.tree_attention import reference_tree_attention
 
 Leaf = Callable[[str, bool], Any]  # (hf_key, transpose) -> array or ShapeDtypeStruct
@@ -27,20 +28,20 @@ Leaf = Callable[[str, bool], Any]  # (hf_key, transpose) -> array or ShapeDtypeS
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    attn_norm: jax.Array  # [H] input_layernorm
-    wq: jax.Array  # [H, Hq*D]
-    wk: jax.Array  # [H, Hkv*D]
-    wv: jax.Array  # [H, Hkv*D]
-    wo: jax.Array  # [Hq*D, H]
-    q_norm: jax.Array | None  # [D] (None without qk_norm: Llama, Qwen2)
-    k_norm: jax.Array | None  # [D]
-    bq: jax.Array | None  # [Hq*D] (None without qkv_bias: Qwen3, Llama)
-    bk: jax.Array | None  # [Hkv*D]
-    bv: jax.Array | None  # [Hkv*D]
-    mlp_norm: jax.Array  # [H] post_attention_layernorm
-    w_gate: jax.Array  # [H, I]
-    w_up: jax.Array  # [H, I]
-    w_down: jax.Array  # [I, H]
+    attn_norm: jax.Array = axes(None)  # [H] input_layernorm
+    wq: jax.Array = axes(None, "heads")  # [H, Hq*D]
+    wk: jax.Array = axes(None, "kv_heads")  # [H, Hkv*D]
+    wv: jax.Array = axes(None, "kv_heads")  # [H, Hkv*D]
+    wo: jax.Array = axes("heads", None)  # [Hq*D, H]
+    q_norm: jax.Array | None = axes(None)  # [D] (None without qk_norm: Llama, Qwen2)
+    k_norm: jax.Array | None = axes(None)  # [D]
+    bq: jax.Array | None = axes("heads")  # [Hq*D] (None without qkv_bias: Qwen3, Llama)
+    bk: jax.Array | None = axes("kv_heads")  # [Hkv*D]
+    bv: jax.Array | None = axes("kv_heads")  # [Hkv*D]
+    mlp_norm: jax.Array = axes(None)  # [H] post_attention_layernorm
+    w_gate: jax.Array = axes(None, "mlp")  # [H, I]
+    w_up: jax.Array = axes(None, "mlp")  # [H, I]
+    w_down: jax.Array = axes("mlp", None)  # [I, H]
 
 
 # HF names of one decoder layer's tensors (relative to ``{prefix}layers.{i}.``), LayerParams field, and
@@ -172,6 +173,31 @@ def derive(fn: Callable, *xs):
     return Deferred(lambda: make(0), out.shape, out.dtype)
 
 
+def check_step_inputs(tokens, positions, lens, local_mask, taps: tuple[int, ...], num_layers: int,
+                      capacity: int | None) -> None:
+    """A target forward's input checks (shapes, tap layers, cache room), shared by every family: ValueError
+    naming what disagrees."""
+    b, t = tokens.shape
+    if positions.shape != (b, t) or local_mask.shape != (b, t, t) or jnp.shape(lens) != (b,):
+        raise ValueError(f"shapes disagree: tokens {tokens.shape}, positions {positions.shape}, "
+                         f"lens {jnp.shape(lens)}, local_mask {local_mask.shape}")
+    if any(not 0 <= i < num_layers for i in taps):
+        raise ValueError(f"taps {taps} out of range for {num_layers} layers")
+    if capacity is not None and t > capacity:
+        raise ValueError(f"{t} tokens do not fit a cache of {capacity} rows")
+
+
+def tap_features(tapped: dict[int, jax.Array], normed: jax.Array, taps: tuple[int, ...], num_layers: int
+                 ) -> jax.Array:  # -> [B, T, len(taps) * H]
+    """The drafter's features: HF's ``hidden_states[id + 1]`` for each ``id`` in ``taps``, in order.  ``tapped[i]``
+    is the residual stream ``[B, T, H]`` after layer ``i``; the last layer's is taken after the final norm
+    (``normed``), as HF's ``hidden_states[L]`` is."""
+    if not taps:
+        return jnp.zeros(normed.shape[:2] + (0,), normed.dtype)
+    tapped = {**tapped, num_layers - 1: normed}
+    return jnp.concatenate([tapped[i] for i in taps], axis=-1)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """HF Qwen3RMSNorm: normalise in fp32, cast back to ``x.dtype``, multiply by the plain weight ``w``."""
     xf = x.astype(jnp.float32)
@@ -286,8 +312,9 @@ def attend(
             k, v = (sharding.select_kv_head(x, k.shape[2], axis=2) for x in (k, v))
         return kernel(q, k, v, lens, mask)
 
-    heads = lambda h: P(data, None, h, None)  # noqa: E731  [B, T|S, heads, D]
-    return sharding.per_shard(local, (heads(qh), heads(kvh), heads(kvh), P(data), P(data)), heads(qh))(
+    heads = lambda h: PartitionSpec(data, None, h, None)  # noqa: E731  [B, T|S, heads, D]
+    specs = (heads(qh), heads(kvh), heads(kvh), PartitionSpec(data), PartitionSpec(data))
+    return sharding.per_shard(local, specs, heads(qh))(
         q, k, v, lens, local_mask)
 
 

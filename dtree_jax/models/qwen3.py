@@ -24,22 +24,26 @@ from dtree_jax.models.layers import (
     LayerParams,
     Leaf,
     abstract_leaf,
+    check_step_inputs,
     decoder_layer,
     hf_leaf,
     layer_hf_shapes,
     load_layer,
     rms_norm,
     rope_tables,
+    tap_features,
 )
+from dtree_jax.models.sharding import axes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Qwen3Params:
-    embed: jax.Array  # [V, H]
+    embed: jax.Array = axes("vocab", None)  # [V, H]
     layers: tuple[LayerParams, ...]
-    final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None  # [H, V]; None when tie_word_embeddings (embed.T is used; see lm_head)
+    final_norm: jax.Array = axes(None)  # [H]
+    # [H, V]; None when tie_word_embeddings (embed.T is used; see lm_head)
+    lm_head: jax.Array | None = axes(None, "vocab")
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen3Config:
@@ -119,16 +123,7 @@ def forward(
     are trained on and fed).
     ``cfg`` and ``taps`` are static under ``jit``.  Requires ``lens + T <= cache capacity``.
     """
-    b, t = tokens.shape
-    if positions.shape != (b, t) or local_mask.shape != (b, t, t) or jnp.shape(lens) != (b,):
-        raise ValueError(
-            f"shapes disagree: tokens {tokens.shape}, positions {positions.shape}, lens {jnp.shape(lens)}, "
-            f"local_mask {local_mask.shape}"
-        )
-    if any(not 0 <= i < cfg.num_layers for i in taps):
-        raise ValueError(f"taps {taps} out of range for {cfg.num_layers} layers")
-    if t > cache.capacity:
-        raise ValueError(f"{t} tokens do not fit a cache of {cache.capacity} rows")
+    check_step_inputs(tokens, positions, lens, local_mask, taps, cfg.num_layers, cache.capacity)
     x = embed(params, tokens).astype(cfg.dtype)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     ks, vs, tapped = [], [], {}
@@ -139,8 +134,7 @@ def forward(
         if i in taps:
             tapped[i] = x
     normed = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    tapped[cfg.num_layers - 1] = normed  # HF's hidden_states[L] is taken after the final norm
-    feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
+    feats = tap_features(tapped, normed, taps, cfg.num_layers)
     return lm_head(params, cfg, normed), feats, KVCache(k=tuple(ks), v=tuple(vs))
 
 

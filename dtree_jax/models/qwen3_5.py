@@ -8,7 +8,7 @@ or, for Qwen3-Next, a top-k MoE with a sigmoid-gated shared expert.  Layer norms
 are zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are
 regrouped to the Qwen3.5 layout at load time, so one forward serves both.
 
-Phases (``decode.py`` drives them):
+Phases (``dtree_jax.loop`` drives them, through the ``TargetModel`` protocol):
   * ``prefill(params, cfg, tokens, cache, prompt_lens, taps)``: right-padded prompts, chunked GDN with the
     gates zeroed past each request's length, attention K/V at rows ``[0, P)``;
   * ``forward(...)`` = tree verify (decode is the 1-node tree): parents come from ``local_mask`` (the deepest
@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models import kernels
+from dtree_jax.models import families, kernels
 from dtree_jax.models.cache import compact_kv
 from dtree_jax.models.config import (
     ATTENTION_IMPLS,
@@ -44,17 +44,19 @@ from dtree_jax.models.layers import (
     abstract_leaf,
     apply_rope,
     attend,
+    check_step_inputs,
     derive,
     hf_leaf,
     rope_tables,
     swiglu,
+    tap_features,
     write_rows,
 )
+from dtree_jax.models.sharding import axes
 from dtree_jax.models.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mixer
 
 FULL, LINEAR = "full_attention", "linear_attention"
 FUSED_MODEL_TYPES = ("qwen3_next",)  # grouped in_proj_qkvz / in_proj_ba
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -143,9 +145,9 @@ class Qwen35Config:
 
     @property
     def gdn_impl(self) -> str:
-        """``tree_gdn_mixer``'s impl (``models.kernels.gdn_impl``): with attention_impl="pallas" the Pallas kernel
-        on TPU, interpret mode on CPU, the XLA path on GPU (no GPU kernel yet); else the XLA path."""
-        return kernels.gdn_impl(self)
+        """``tree_gdn_mixer``'s impl (``models.kernels.kernel_choice``): with attention_impl="pallas" the Pallas
+        kernel on TPU ("mosaic"), interpret mode on CPU, the XLA path on GPU (no GPU kernel yet); else "xla"."""
+        return kernels.kernel_choice("tree_gdn", self)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
@@ -154,8 +156,8 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
     top = dict(d)
     text = dict(top.get("text_config") or top)
     model_type = top.get("model_type", text.get("model_type"))
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    if model_type not in families.HYBRID.model_types:
+        raise ValueError(f"model_type must be one of {families.HYBRID.model_types}, got {model_type!r}")
     if text.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act must be silu, got {text['hidden_act']!r}")
     if text.get("attention_bias"):
@@ -214,63 +216,63 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GDNParams:
-    w_qkv: jax.Array  # [H, C] channels [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)]
-    w_z: jax.Array  # [H, Hv*dv]
-    w_b: jax.Array  # [H, Hv]
-    w_a: jax.Array  # [H, Hv]
-    conv_w: jax.Array  # [C, Kc]
-    A_log: jax.Array  # [Hv]
-    dt_bias: jax.Array  # [Hv]
-    norm: jax.Array  # [dv] gated-norm weight (plain w)
-    w_out: jax.Array  # [Hv*dv, H]
+    w_qkv: jax.Array = axes(None, "gdn_channels")  # [H, C] channels [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)]
+    w_z: jax.Array = axes(None, "v_heads")  # [H, Hv*dv]
+    w_b: jax.Array = axes(None, "v_heads")  # [H, Hv]
+    w_a: jax.Array = axes(None, "v_heads")  # [H, Hv]
+    conv_w: jax.Array = axes("gdn_channels", None)  # [C, Kc]
+    A_log: jax.Array = axes("v_heads")  # [Hv]
+    dt_bias: jax.Array = axes("v_heads")  # [Hv]
+    norm: jax.Array = axes(None)  # [dv] gated-norm weight (plain w)
+    w_out: jax.Array = axes("v_heads", None)  # [Hv*dv, H]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttnParams:
-    wq: jax.Array  # [H, Hq*2*D] per head [q_h | gate_h] (HF q_proj layout)
-    wk: jax.Array  # [H, Hkv*D]
-    wv: jax.Array  # [H, Hkv*D]
-    wo: jax.Array  # [Hq*D, H]
-    q_norm: jax.Array  # [D] zero-centred
-    k_norm: jax.Array  # [D] zero-centred
+    wq: jax.Array = axes(None, "heads")  # [H, Hq*2*D] per head [q_h | gate_h] (HF q_proj layout)
+    wk: jax.Array = axes(None, "kv_heads")  # [H, Hkv*D]
+    wv: jax.Array = axes(None, "kv_heads")  # [H, Hkv*D]
+    wo: jax.Array = axes("heads", None)  # [Hq*D, H]
+    q_norm: jax.Array = axes(None)  # [D] zero-centred
+    k_norm: jax.Array = axes(None)  # [D] zero-centred
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseMLP:
-    w_gate: jax.Array  # [H, I]
-    w_up: jax.Array  # [H, I]
-    w_down: jax.Array  # [I, H]
+    w_gate: jax.Array = axes(None, "mlp")  # [H, I]
+    w_up: jax.Array = axes(None, "mlp")  # [H, I]
+    w_down: jax.Array = axes("mlp", None)  # [I, H]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEMLP:
-    router: jax.Array  # [H, E]
-    w_gate: jax.Array  # [E, H, I]
-    w_up: jax.Array  # [E, H, I]
-    w_down: jax.Array  # [E, I, H]
+    router: jax.Array = axes(None, None)  # [H, E]
+    w_gate: jax.Array = axes(None, None, "mlp")  # [E, H, I]
+    w_up: jax.Array = axes(None, None, "mlp")  # [E, H, I]
+    w_down: jax.Array = axes(None, "mlp", None)  # [E, I, H]
     shared: DenseMLP
-    shared_gate: jax.Array  # [H, 1]
+    shared_gate: jax.Array = axes(None, None)  # [H, 1]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridLayer:
-    attn_norm: jax.Array  # [H] input_layernorm (zero-centred)
+    attn_norm: jax.Array = axes(None)  # [H] input_layernorm (zero-centred)
     mixer: GDNParams | AttnParams
-    mlp_norm: jax.Array  # [H] post_attention_layernorm (zero-centred)
+    mlp_norm: jax.Array = axes(None)  # [H] post_attention_layernorm (zero-centred)
     mlp: DenseMLP | MoEMLP
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Qwen35Params:
-    embed: jax.Array  # [V, H]
+    embed: jax.Array = axes("vocab", None)  # [V, H]
     layers: tuple[HybridLayer, ...]
-    final_norm: jax.Array  # [H] zero-centred
-    lm_head: jax.Array | None  # [H, V]; None when tie_word_embeddings
+    final_norm: jax.Array = axes(None)  # [H] zero-centred
+    lm_head: jax.Array | None = axes(None, "vocab")  # [H, V]; None when tie_word_embeddings
 
 
 def _mlp_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
@@ -431,17 +433,22 @@ def abstract_params(cfg: Qwen35Config, dtype) -> Qwen35Params:
 class PendingVerify:
     """Per-node data of the last tree verify that ``commit`` folds into the committed GDN states."""
 
-    windows: tuple[jax.Array, ...]  # per GDN layer [B, N, Kc-1, C] conv window after each node
+    # per GDN layer [B, N, Kc-1, C] conv window after each node
+    windows: tuple[jax.Array, ...] = axes("batch", None, None, "gdn_channels")
     stash: tuple[TreeGDNStash, ...]  # per GDN layer tree-WY stash (k, u, path log-decay, ancestor mask)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
-    k: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
-    v: tuple[jax.Array, ...]  # per full-attention layer [B, S, Hkv * kv_head_repeat, D]
-    conv: tuple[jax.Array, ...]  # per GDN layer [B, Kc-1, C] committed raw conv inputs, oldest first
-    state: tuple[jax.Array, ...]  # per GDN layer [B, Hv, dk, dv] fp32 committed recurrent state
+    # per full-attention layer [B, S, Hkv * kv_head_repeat, D], RoPE applied
+    k: tuple[jax.Array, ...] = axes("batch", None, "cache_kv_heads", None)
+    # per full-attention layer [B, S, Hkv * kv_head_repeat, D]
+    v: tuple[jax.Array, ...] = axes("batch", None, "cache_kv_heads", None)
+    # per GDN layer [B, Kc-1, C] committed raw conv inputs, oldest first
+    conv: tuple[jax.Array, ...] = axes("batch", None, "gdn_channels")
+    # per GDN layer [B, Hv, dk, dv] fp32 committed recurrent state
+    state: tuple[jax.Array, ...] = axes("batch", "v_heads", None, None)
     pending: PendingVerify | None = None  # set by forward, consumed (cleared) by commit
 
     @property
@@ -555,16 +562,9 @@ def parents_from_mask(local_mask: jax.Array) -> jax.Array:  # [B, T, T] -> [B, T
 
 
 def _check(cfg: Qwen35Config, tokens, positions, cache: HybridCache, lens, local_mask, taps) -> None:
-    b, t = tokens.shape
-    if positions.shape != (b, t) or local_mask.shape != (b, t, t) or jnp.shape(lens) != (b,):
-        raise ValueError(f"shapes disagree: tokens {tokens.shape}, positions {positions.shape}, "
-                         f"lens {jnp.shape(lens)}, local_mask {local_mask.shape}")
-    if any(not 0 <= i < cfg.num_layers for i in taps):
-        raise ValueError(f"taps {taps} out of range for {cfg.num_layers} layers")
+    check_step_inputs(tokens, positions, lens, local_mask, taps, cfg.num_layers, cache.capacity)
     if len(cache.k) != len(cfg.attn_layers) or len(cache.conv) != len(cfg.gdn_layers):
         raise ValueError("cache does not match the config's layer types (use init_cache(cfg, ...))")
-    if cache.capacity is not None and t > cache.capacity:
-        raise ValueError(f"{t} tokens do not fit a cache of {cache.capacity} rows")
 
 
 def _run(params, cfg, tokens, positions, cache, lens, local_mask, taps, gdn):
@@ -589,8 +589,7 @@ def _run(params, cfg, tokens, positions, cache, lens, local_mask, taps, gdn):
         if i in taps:
             tapped[i] = x
     normed = rms_norm_1p(x, params.final_norm, cfg.rms_norm_eps)
-    tapped[cfg.num_layers - 1] = normed  # HF's hidden_states[L] is taken after the final norm
-    feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
+    feats = tap_features(tapped, normed, taps, cfg.num_layers)
     return lm_head(params, cfg, normed), feats, tuple(ks), tuple(vs), extras
 
 

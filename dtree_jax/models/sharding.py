@@ -21,7 +21,7 @@ from typing import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 DATA, MODEL = "data", "model"
 MESH_AXES = (DATA, MODEL)
@@ -39,55 +39,14 @@ RULES: dict[str, str] = {
     "taps": MODEL,  # the drafter's concatenated target features (its fc's input rows)
 }
 
-# Leaf name (its dataclass field) -> rank -> logical axes.  Every leaf of our targets (``Qwen3Params``,
-# ``Qwen35Params``), the drafter (``DrafterParams`` with its ``DominoHead``), their caches (``KVCache``,
-# ``HybridCache``) and ``loop.DecodeState`` is listed (tests/test_sharding.py checks it); ``None`` = replicated.
-_R1, _R2 = {1: (None,)}, {2: (None, None)}
-LEAF_AXES: dict[str, dict[int, tuple]] = {
-    # embeddings and the output head
-    "embed": {2: ("vocab", None)},  # [V, H]
-    "lm_head": {2: (None, "vocab")},  # [H, V]
-    # attention (dense layers, the hybrid's full-attention layers, the drafter)
-    "wq": {2: (None, "heads")},  # [H, Hq*D] (hybrid: [H, Hq*2*D], per head [q | gate])
-    "wk": {2: (None, "kv_heads")},  # [H, Hkv*D]
-    "wv": {2: (None, "kv_heads")},
-    "wo": {2: ("heads", None)},  # [Hq*D, H]
-    "bq": {1: ("heads",)},
-    "bk": {1: ("kv_heads",)},
-    "bv": {1: ("kv_heads",)},
-    # MLPs: [H, I] / [I, H], MoE experts [E, H, I] / [E, I, H]
-    "w_gate": {2: (None, "mlp"), 3: (None, None, "mlp")},
-    "w_up": {2: (None, "mlp"), 3: (None, None, "mlp")},
-    "w_down": {2: ("mlp", None), 3: (None, "mlp", None)},
-    "router": _R2,  # [H, E]
-    "shared_gate": _R2,  # [H, 1]
-    # Gated DeltaNet
-    "w_qkv": {2: (None, "gdn_channels")},  # [H, C]
-    "conv_w": {2: ("gdn_channels", None)},  # [C, Kc]
-    "w_z": {2: (None, "v_heads")},  # [H, Hv*dv]
-    "w_b": {2: (None, "v_heads")},  # [H, Hv]
-    "w_a": {2: (None, "v_heads")},
-    "A_log": {1: ("v_heads",)},
-    "dt_bias": {1: ("v_heads",)},
-    "w_out": {2: ("v_heads", None)},  # [Hv*dv, H]
-    # norms
-    **{name: _R1 for name in ("attn_norm", "mlp_norm", "final_norm", "hidden_norm", "norm", "q_norm", "k_norm")},
-    # the drafter: context projection and the Domino GRU head
-    "fc": {2: ("taps", None)},  # [n_feat*H, H]
-    "w_ih": _R2,  # [H, 3G]
-    "w_hh": _R2,  # [G, 3G]
-    "w1": _R2,  # [H+G, E]
-    "w2": {2: ("vocab", None)},  # [V, E]
-    # caches
-    "k": {4: ("batch", None, "cache_kv_heads", None)},  # [B, S, Hkv * kv_head_repeat, D]
-    "v": {4: ("batch", None, "cache_kv_heads", None)},
-    "conv": {3: ("batch", None, "gdn_channels")},  # [B, Kc-1, C]
-    "state": {4: ("batch", "v_heads", None, None)},  # [B, Hv, dk, dv]
-    # the decode state
-    **{name: {1: ("batch",)} for name in ("lens", "root", "out_len", "done", "stop_reason", "rounds", "key")},
-    "out": {2: ("batch", None)},  # [B, max_new + N]
-    "step": {0: ()},
-}
+AXES_KEY = "logical_axes"  # dataclass field metadata: the logical axes of the field's array leaves
+
+
+def axes(*logical: str | None, **field_kwargs):
+    """A dataclass field whose array leaf (or each array of a tuple of them) has these logical axes, one per
+    dimension (``None``: replicated; names in ``RULES``), declared next to the field:
+    ``wq: jax.Array = axes(None, "heads")``.  ``field_kwargs`` go to ``dataclasses.field`` (a default)."""
+    return dataclasses.field(metadata={AXES_KEY: tuple(logical)}, **field_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,27 +140,35 @@ def for_mesh(cfg, mesh):
     return dataclasses.replace(cfg, model=inner) if hasattr(cfg, "model") else inner
 
 
-def leaf_name(path) -> str | None:
-    """The last attribute name on a pytree path (the dataclass field holding the leaf)."""
-    for entry in reversed(path):
-        if isinstance(entry, jax.tree_util.GetAttrKey):
-            return entry.name
-        if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
-            return entry.key
-    return None
+def leaf_axes(tree) -> list[tuple[str, tuple | None]]:
+    """``(path, logical axes)`` of every leaf of ``tree``, in ``tree_leaves`` order: the axes its dataclass field
+    declares (``axes``), None where no field declares any (a leaf outside our params, caches and decode state)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    for path, _ in flat:
+        node, declared = tree, None
+        for entry in path:
+            if isinstance(entry, jax.tree_util.GetAttrKey):
+                fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+                field = fields.get(entry.name)
+                declared = field.metadata.get(AXES_KEY) if field is not None else None
+                node = getattr(node, entry.name)
+            elif isinstance(entry, jax.tree_util.SequenceKey):
+                node = node[entry.idx]  # a tuple of arrays shares its field's axes
+            elif isinstance(entry, jax.tree_util.DictKey):
+                node, declared = node[entry.key], None
+            else:
+                node, declared = None, None
+        out.append((jax.tree_util.keystr(path), declared))
+    return out
 
 
-def logical_axes(path, ndim: int) -> tuple | None:
-    """The table's logical axes for the leaf at ``path`` of rank ``ndim``; None for a leaf it does not know
-    (a user's own target), which is then replicated."""
-    return LEAF_AXES.get(leaf_name(path) or "", {}).get(ndim)
-
-
-def partition_spec(axes: tuple | None, shape: tuple[int, ...], mesh, unit_counts: Mapping[str, int] = {}) -> P:
+def partition_spec(axes: tuple | None, shape: tuple[int, ...], mesh, unit_counts: Mapping[str, int] = {}
+                   ) -> PartitionSpec:
     """``PartitionSpec`` for one leaf: each logical axis on its mesh axis (``RULES``) when that axis has more
     than one device and divides both the dimension and the axis's unit count; otherwise replicated."""
     if axes is None:
-        return P()
+        return PartitionSpec()
     out, used = [], set()
     for dim, axis in zip(shape, axes):
         name = RULES.get(axis) if axis else None
@@ -214,22 +181,28 @@ def partition_spec(axes: tuple | None, shape: tuple[int, ...], mesh, unit_counts
             out.append(None)
     while out and out[-1] is None:
         out.pop()
-    return P(*out)
+    return PartitionSpec(*out)
 
 
 def shardings(tree, mesh, cfg=None):
     """The ``NamedSharding`` of every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s) on ``mesh``: the
     table's logical axes through ``partition_spec``, with ``cfg``'s head counts (``units``)."""
     counts = units(cfg) if cfg is not None else {}
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(
-            mesh, partition_spec(logical_axes(path, len(x.shape)), tuple(x.shape), mesh, counts)), tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = []
+    for (path, logical), x in zip(leaf_axes(tree), leaves):
+        if logical is None:
+            raise ValueError(f"leaf {path} declares no logical axes, so it cannot be placed on a mesh (declare them "
+                             "next to its dataclass field with models.sharding.axes)")
+        if len(logical) != len(x.shape):
+            raise ValueError(f"leaf {path}: logical axes {logical} for a rank-{len(x.shape)} array {tuple(x.shape)}")
+        out.append(NamedSharding(mesh, partition_spec(logical, tuple(x.shape), mesh, counts)))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def unknown_leaves(tree) -> list[str]:
-    """Paths of the leaves the table has no entry for (they would be replicated)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [jax.tree_util.keystr(p) for p, x in flat if logical_axes(p, len(x.shape)) is None]
+    """Paths of the leaves whose dataclass field declares no logical axes (``shardings`` refuses them)."""
+    return [path for path, logical in leaf_axes(tree) if logical is None]
 
 
 def place(tree, mesh, cfg=None):
@@ -247,7 +220,7 @@ def put(x, s: jax.sharding.Sharding) -> jax.Array:
         return x
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(x)
-        data = put(jax.random.key_data(x), NamedSharding(s.mesh, P(*s.spec, None)))
+        data = put(jax.random.key_data(x), NamedSharding(s.mesh, PartitionSpec(*s.spec, None)))
         return jax.random.wrap_key_data(data, impl=impl)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
@@ -261,13 +234,26 @@ def constrain(tree, mesh, cfg=None):
     return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, cfg))
 
 
+def batch_sharding(mesh, shape) -> NamedSharding:
+    """A per-request array's sharding: requests over ``data`` (when it divides the batch), the rest replicated."""
+    axes = ("batch",) + (None,) * (len(shape) - 1)
+    return NamedSharding(mesh, partition_spec(axes, tuple(shape), mesh))
+
+
+def mesh_context(mesh):
+    """``jax.set_mesh(mesh)`` (the Pallas kernels read it while tracing), or nothing without a mesh."""
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def whole_last_axis(x: jax.Array) -> jax.Array:
     """Inside a trace under a mesh context: ``x`` with its last axis gathered (the other axes as the
     partitioner likes).  For a top-k over the vocabulary of logits the output head left split over it (XLA:CPU
     cannot partition a top-k); the identity without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, P(*([P.UNCONSTRAINED] * (x.ndim - 1)), None))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)), None))
 
 
 def to_host(x) -> np.ndarray:
@@ -349,12 +335,17 @@ def _initialize(*args) -> None:
 
 
 def per_device_bytes(tree, mesh, cfg=None) -> int:
-    """Bytes one device holds of ``tree`` (arrays or ``ShapeDtypeStruct``s) under the table's shardings."""
+    """Bytes one device holds of ``tree`` (arrays or ``ShapeDtypeStruct``s) under their shardings (all of it on a
+    one-device mesh, whatever its leaves declare)."""
+    if mesh.size == 1:
+        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
     return sum(math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
                for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings(tree, mesh, cfg))))
 
 
-__all__ = ["DATA", "MODEL", "MESH_AXES", "RULES", "LEAF_AXES", "make_mesh", "parse_mesh", "as_mesh", "axis_size",
-           "context_mesh", "units", "for_mesh", "leaf_name", "logical_axes", "partition_spec", "shardings",
-           "unknown_leaves", "place", "put", "constrain", "whole_last_axis", "to_host", "head_plan", "select_kv_head", "per_shard",
+__all__ = ["DATA", "MODEL", "MESH_AXES", "RULES", "AXES_KEY", "axes", "leaf_axes", "make_mesh", "parse_mesh",
+           "as_mesh", "axis_size",
+           "context_mesh", "units", "for_mesh", "partition_spec", "shardings",
+           "unknown_leaves", "place", "put", "constrain", "batch_sharding", "mesh_context", "whole_last_axis",
+           "to_host", "head_plan", "select_kv_head", "per_shard",
            "initialize_distributed", "per_device_bytes"]

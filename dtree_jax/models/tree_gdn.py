@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
 from dtree_jax.models.gdn import conv_taps, gated_rms_norm, gdn_gates, split_qkv, unit_lower_solve
+from dtree_jax.models.sharding import axes
 from dtree_jax.tree import ancestor_mask, check_parents
 from pallas_kernels.delta_rule import fp32_einsum, normalize_qk
 from pallas_kernels.tree_gdn import tree_gdn
@@ -49,10 +50,11 @@ from pallas_kernels.tree_gdn import tree_gdn
 class TreeGDNStash:
     """What the commit needs from a tree-WY verify, per node (O(N * Hv * (dk + dv)) instead of N states)."""
 
-    k: jax.Array  # [B, N, Hv, dk] fp32 l2-normalised keys (on the v-heads)
-    u: jax.Array  # [B, N, Hv, dv] fp32 solved deltas, U = (I + A)^-1 [beta (v - exp(G) K S0)]
-    g_path: jax.Array  # [B, N, Hv] fp32 path cumsum of log-decays, G = M g
-    mask: jax.Array  # [B, N, N] bool ancestor-or-self
+    k: jax.Array = axes("batch", None, "v_heads", None)  # [B, N, Hv, dk] fp32 l2-normalised keys (on the v-heads)
+    # [B, N, Hv, dv] fp32 solved deltas, U = (I + A)^-1 [beta (v - exp(G) K S0)]
+    u: jax.Array = axes("batch", None, "v_heads", None)
+    g_path: jax.Array = axes("batch", None, "v_heads")  # [B, N, Hv] fp32 path cumsum of log-decays, G = M g
+    mask: jax.Array = axes("batch", None, None)  # [B, N, N] bool ancestor-or-self
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,10 +204,10 @@ def tree_gdn_pallas(
                 q, k = (sharding.select_kv_head(x, q.shape[2], axis=2) for x in (q, k))
             return kernel(q, k, *rest)
 
-        nodes = lambda h: P(data, None, h, None)  # noqa: E731  [B, N, heads, d]
-        gates = P(data, None, vh)  # [B, N, Hv]
+        nodes = lambda h: PartitionSpec(data, None, h, None)  # noqa: E731  [B, N, heads, d]
+        gates = PartitionSpec(data, None, vh)  # [B, N, Hv]
         o, u, g_path = sharding.per_shard(
-            local, (nodes(kh), nodes(kh), nodes(vh), gates, gates, P(data, vh), P(data)),
+            local, (nodes(kh), nodes(kh), nodes(vh), gates, gates, PartitionSpec(data, vh), PartitionSpec(data)),
             (nodes(vh), nodes(vh), gates))(q, k, v, g, beta, state0, mask)
     _, kn = normalize_qk(q, k, v.shape[-2])
     return o, TreeGDNStash(k=kn, u=u, g_path=g_path, mask=mask)
@@ -249,10 +251,11 @@ def tree_gdn_mixer(
 ) -> tuple[jax.Array, jax.Array, TreeGDNStash]:  # (y [B, N, Hv, dv], windows [B, N, Kc-1, C], stash)
     """``gdn_mixer`` for a draft tree: every node as if its root->node path were appended to the sequence.
 
-    ``impl``: ``"xla"`` (``tree_gdn_wy``), ``"pallas"`` (``tree_gdn_pallas``) or ``"interpret"`` (the kernel in
-    interpret mode).  After acceptance ``commit_tree_gdn(windows, stash, state0, last)`` gives the new states.
+    ``impl``: a kernel choice of ``models.kernels``: ``"xla"`` (``tree_gdn_wy``), ``"mosaic"`` (the Pallas kernel,
+    ``tree_gdn_pallas``) or ``"interpret"`` (that kernel in interpret mode).  After acceptance
+    ``commit_tree_gdn(windows, stash, state0, last)`` gives the new states.
     """
-    fns = {"xla": tree_gdn_wy, "pallas": tree_gdn_pallas,
+    fns = {"xla": tree_gdn_wy, "mosaic": tree_gdn_pallas,
            "interpret": functools.partial(tree_gdn_pallas, interpret=True)}
     if impl not in fns:
         raise ValueError(f"impl must be one of {sorted(fns)}, got {impl!r}")
