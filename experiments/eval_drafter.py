@@ -3,6 +3,7 @@ only when it beats the shipped drafter here).
 
     python experiments/eval_drafter.py checkpoints/smollm2-domino ~/.cache/dtree-jax/smollm2-domino-s3
     python experiments/eval_drafter.py DIR ... --budgets 4,8 --prompts 20 --max-new-tokens 64
+    python experiments/eval_drafter.py DIR --calibrate   # tau per budget into DIR/calibration.json
 
 Every drafter runs DominoTree on the same held-out prompts (experiments/results/smollm2_heldout_prompts.json,
 from standard-library files no training prompt came from; the first ``--prompts`` of them, as the experiments
@@ -10,6 +11,11 @@ use), greedy, all prompts in one batch (each row builds its own trees; a set's t
 after the root over their rounds), plus the main job's default request and a plain code continuation.  tau is
 reported for the chat prompts, the continuation (code) prompts and all of them.  Writes
 experiments/results/eval_drafter.json and prints a markdown table.
+
+``--calibrate`` instead measures the drafter's tau per budget (4, 8, 16, 32) on the calibration prompts, the
+held-out prompts after the gate's (``--prompts`` .. ``--prompts + 4``, so the gate's prompts are not the ones
+``--budget auto`` is tuned on), in one batch, and writes it into the drafter's ``calibration.json`` as
+``tau_by_budget`` (with ``tau_measured`` saying how; the file's other fields are kept).
 """
 
 from __future__ import annotations
@@ -60,6 +66,30 @@ def taus(target, drafter, sets: dict[str, list[list[int]]], budget: int, max_new
     return {"held-out": _tau(rows["chat"] + rows["continue"]), **{k: _tau(v) for k, v in rows.items()}}
 
 
+CALIBRATION_BUDGETS = (4, 8, 16, 32)
+CALIBRATION_PROMPTS = 4
+CALIBRATION_NEW_TOKENS = 40
+
+
+def calibrate(target, path: str, offset: int) -> dict:
+    """Writes ``tau_by_budget`` (and ``tau_measured``) into ``path/calibration.json``; returns the taus."""
+    _, ids = smollm2_heldout(target, CALIBRATION_PROMPTS, offset)
+    drafter = load_model(path)
+    taus = {"0": 1.0}
+    for budget in CALIBRATION_BUDGETS:
+        g = generate(target, ids, "dominotree", drafter, budget=budget, max_new_tokens=CALIBRATION_NEW_TOKENS,
+                     prompt_bucket=PROMPT_TOKENS)
+        taus[str(budget)] = _tau(g.stats)["tau"]
+        print(f"budget {budget}: tau {taus[str(budget)]:.2f}", flush=True)
+    file = pathlib.Path(path) / "calibration.json"
+    cal = json.loads(file.read_text()) if file.is_file() else {}
+    cal.update(tau_by_budget=taus, tau_measured=dict(
+        tool="experiments/eval_drafter.py --calibrate", heldout_prompts=[offset, offset + CALIBRATION_PROMPTS],
+        batch=CALIBRATION_PROMPTS, max_new_tokens=CALIBRATION_NEW_TOKENS, machine=machine()))
+    file.write_text(json.dumps(cal, indent=2) + "\n")
+    return taus
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafters", nargs="+", help="HF-layout drafter directories")
@@ -67,12 +97,21 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=str(RESULTS / "eval_drafter.json"))
+    parser.add_argument("--calibrate", action="store_true",
+                        help="write each drafter's tau per budget into its calibration.json instead")
     args = parser.parse_args(argv)
     missing = [d for d in args.drafters if not (pathlib.Path(d) / "config.json").is_file()]
     if missing:
         parser.error(f"not a drafter directory (no config.json): {', '.join(missing)}")
     budgets = [int(b) for b in args.budgets.split(",")]
     target = load_model(smollm2_gguf())
+    if args.calibrate:
+        for path in args.drafters:
+            try:
+                calibrate(target, path, args.prompts)
+            except ValueError as e:
+                parser.error(str(e))
+        return 0
     try:
         sets = prompt_sets(target, args.prompts)
     except ValueError as e:
