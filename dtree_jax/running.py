@@ -1,10 +1,11 @@
 """Running a planned generation: abstract arguments and tracing (for compile-only devices), the compiled
-generation (compiled once per static knobs and shapes, then reused: ``COMPILED``), and the instrumented mode
-that runs and times the stages one by one.
+generation (compiled once per static knobs and shapes, then reused: ``COMPILED``, the ``MAX_COMPILED`` most
+recently used), and the instrumented mode that runs and times the stages one by one.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -70,7 +71,12 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-COMPILED: dict = {}  # this process's compiled generations by (spec, argument shapes) -> (program, params)
+# This process's compiled generations, most recently used last: (spec, argument shapes) -> (program, params).
+# Bounded: each program holds its code (XLA:CPU maps ~700 memory regions per generation; Linux allows 65,530 per
+# process) and, baked, its own copy of the weights.
+COMPILED: collections.OrderedDict = collections.OrderedDict()
+MAX_COMPILED = 8
+_compiled_count = 0
 
 
 def _compiled(args):
@@ -81,19 +87,24 @@ def _compiled(args):
     baked = cpu_options.bakes_weights(spec.mesh, tparams, dparams)
     leaves, treedef = jax.tree_util.tree_flatten(rest if baked else args[1:])
     key = (spec, baked and (id(tparams), id(dparams)), treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    global _compiled_count
     if key in COMPILED:
+        COMPILED.move_to_end(key)
         return COMPILED[key][0], 0.0
     t0 = time.perf_counter()
     with sharding.mesh_context(spec.mesh):
         run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh,
                                        bake=functools.partial(loop.unshared_heads, spec))
     COMPILED[key] = (run, tparams, dparams)
+    _compiled_count += 1
+    while len(COMPILED) > MAX_COMPILED:
+        COMPILED.popitem(last=False)  # the least recently used program, its code and weights freed
     return run, time.perf_counter() - t0
 
 
 def compilations() -> int:
-    """How many distinct generations have been compiled in this process (for recompilation checks)."""
-    return len(COMPILED)
+    """How many generations have been compiled in this process (for recompilation checks)."""
+    return _compiled_count
 
 
 def _run_instrumented(spec, tparams, dparams, prompts, lens, key, temperature):

@@ -21,3 +21,16 @@ def no_persistent_compilation_cache(monkeypatch):
     from dtree_jax import cli
 
     monkeypatch.setattr(cli, "compilation_cache", lambda: None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Each module's compiled programs are freed after it: XLA:CPU maps ~700 memory regions per compiled
+    generation and Linux allows 65,530 per process, so a whole suite's programs held at once abort the process."""
+    yield
+    import jax
+
+    from dtree_jax import running
+
+    running.COMPILED.clear()
+    jax.clear_caches()

@@ -5,6 +5,7 @@ Not collected with the suite (the name does not match ``test_*.py``): ``tests/te
 its own process, where the 8 devices are set before JAX starts, so the rest of the suite keeps one device.
 """
 
+import collections
 import dataclasses
 import json
 import re
@@ -28,7 +29,7 @@ MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 
 @pytest.fixture(autouse=True)
 def fresh_compilations(monkeypatch):
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
 
 
 @pytest.fixture(scope="module")

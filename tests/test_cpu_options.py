@@ -3,6 +3,7 @@ program that takes its weights as arguments, the drafter's own copy of the targe
 object (never a stale one for new weights), nothing written to JAX's persistent compilation cache, and no baking
 where it does not apply."""
 
+import collections
 import dataclasses
 import functools
 import os
@@ -20,14 +21,14 @@ from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's
 
 def _unbaked(monkeypatch):
     monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
 
 
 @pytest.mark.parametrize("method", ["ar", "dominotree"])
 def test_baked_program_gives_the_argument_programs_tokens(models, method, monkeypatch):
     _, target, draft = models
     assert cpu_options.bakes_weights(None, target.params, draft.params)
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     baked = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
     (key,) = running.COMPILED
     assert key[1]  # compiled with the params' identity in its key: the weights are baked in
@@ -73,13 +74,29 @@ def test_new_weights_of_the_same_shapes_get_their_own_program(models, monkeypatc
     """A baked program answers for its own weights only: the same shapes with other weights compile again and
     give those weights' tokens (a cache keyed on shapes alone would replay the first model's)."""
     _, target, _ = models
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     first = generate(target, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
     other = dataclasses.replace(target, params=jax.tree.map(lambda x: x[::-1] if x.ndim == 2 else x, target.params))
     second = generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=())
     assert len(running.COMPILED) == 2 and second.tokens != first.tokens
     _unbaked(monkeypatch)
     assert generate(other, PROMPTS, "ar", max_new_tokens=12, stop_ids=()).tokens == second.tokens
+
+
+def test_compiled_programs_are_bounded(models, monkeypatch):
+    """The process keeps the ``MAX_COMPILED`` most recently used generations: an older one is freed (its code
+    and baked weights) and compiles again when asked for; the recently used one is still reused."""
+    _, target, _ = models
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
+    monkeypatch.setattr(running, "MAX_COMPILED", 2)
+    run = lambda n: generate(target, PROMPTS, "ar", max_new_tokens=n, stop_ids=())  # noqa: E731
+    before = api.compilations()
+    run(4), run(5), run(4)  # 4 is now the most recently used
+    assert api.compilations() == before + 2 and len(running.COMPILED) == 2
+    run(6)  # evicts 5
+    assert len(running.COMPILED) == 2 and api.compilations() == before + 3
+    assert run(4).compile_seconds == 0.0
+    assert run(5).compile_seconds > 0.0 and api.compilations() == before + 4
 
 
 def test_baked_programs_stay_out_of_the_persistent_cache(tmp_path):

@@ -1,6 +1,7 @@
 """The decode loop: every method is lossless against ``ar`` (greedy, and in distribution when sampling),
 ``ar`` equals transformers ``generate``, stops and capacity are handled, and nothing recompiles."""
 
+import collections
 import dataclasses
 import json
 
@@ -66,7 +67,7 @@ def test_greedy_lossless_with_oracle_drafter_accepts_long_paths(models, ar_token
     _, target, draft = models
     reference = np.array([t + [0] * 40 for t in ar_tokens], np.int32)
     monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft))
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     jax.clear_caches()
     got = generate(target, PROMPTS, method, draft, budget=10, max_new_tokens=24, stop_ids=())
     jax.clear_caches()

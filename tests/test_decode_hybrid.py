@@ -1,6 +1,7 @@
 """The decode loop on a hybrid Gated-DeltaNet target (Qwen3.5): every method equals ``ar``, long accepted paths
 commit the right recurrent state, a tree-unaware verify is caught, and the CLI runs converted checkpoints."""
 
+import collections
 import json
 
 import jax
@@ -48,7 +49,7 @@ def _oracle_run(ckpts, monkeypatch):
     _, _, target, draft, ar = ckpts
     reference = np.array([t + [0] * 40 for t in ar], np.int32)
     monkeypatch.setattr(loop, "draft", oracle_draft(reference, loop.draft, decoy=True))
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     jax.clear_caches()
     try:
         return generate(target, PROMPTS, "dominotree", draft, budget=10, max_new_tokens=20, stop_ids=())

@@ -4,6 +4,8 @@ the model's own greedy decoding (full recompute, no cache, no dtree_jax code).""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,7 +144,7 @@ def test_long_accepted_paths_commit_through_the_adapter(pair, monkeypatch):
     module, target, draft = pair
     want = [module.greedy(p, 16) for p in PROMPTS]
     monkeypatch.setattr(loop, "draft", oracle_draft(np.array([w + [0] * 40 for w in want], np.int32), loop.draft))
-    monkeypatch.setattr(running, "COMPILED", {})
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     jax.clear_caches()
     got = generate(target, PROMPTS, "dominotree", draft, budget=8, max_new_tokens=16, stop_ids=())
     jax.clear_caches()
