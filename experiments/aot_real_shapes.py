@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dtree_jax import aot, api  # noqa: E402
-from dtree_jax.models import drafter, qwen3, qwen3_5  # noqa: E402
+from dtree_jax.models import decoder, drafter, qwen3_5  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "aot_real_shapes.json"
 GIB = 2**30
@@ -73,7 +73,7 @@ def domino_config(hidden, heads, kv_heads, head_dim, intermediate, vocab, taps, 
 
 MODELS = {
     # name: (target module, target config, drafter config, what the drafter is)
-    "qwen3-8b": (qwen3, QWEN3_8B, domino_config(4096, 32, 8, 128, 12288, 151936, [1, 9, 17, 25, 33], 36, 151669,
+    "qwen3-8b": (decoder, QWEN3_8B, domino_config(4096, 32, 8, 128, 12288, 151936, [1, 9, 17, 25, 33], 36, 151669,
                                                 1e6), "the released Qwen3-8B Domino config"),
     "qwen3.6-27b": (qwen3_5, QWEN36_27B, domino_config(5120, 32, 8, 128, 17408, 248320, [1, 16, 31, 46, 61], 64,
                                                        248070, 1e7), "the released Qwen3.6-27B Domino config"),
@@ -94,7 +94,7 @@ def abstract_models(name: str, dtype=jnp.bfloat16, layers: int | None = None):
                          dflash_config=dict(dcfg_dict["dflash_config"], target_layer_ids=sorted(set(taps))))
     tcfg = module.config_from_hf(tcfg_dict, dtype=dtype)
     dcfg = drafter.config_from_hf(dcfg_dict, dtype=dtype)
-    kind = "qwen3" if module is qwen3 else "qwen3_5"
+    kind = "qwen3" if module is decoder else "qwen3_5"
     return (api.Model(kind, tcfg, module.abstract_params(tcfg, dtype), name),
             api.Model("drafter", dcfg, drafter.abstract_params(dcfg, dtype), name + "-domino"))
 

@@ -37,10 +37,10 @@ def randomize_norms(model: torch.nn.Module, seed: int) -> None:
 
 def tiny_qwen3(tie: bool, seed: int = 0):
     """``(model, config_dict)``: a tiny HF Qwen3ForCausalLM (eager attention, fp32, eval mode)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import DecoderConfig, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**TINY_TARGET, tie_word_embeddings=tie, attn_implementation="eager")
+    cfg = DecoderConfig(**TINY_TARGET, tie_word_embeddings=tie, attn_implementation="eager")
     model = Qwen3ForCausalLM(cfg).eval()
     randomize_norms(model, seed + 1)
     return model, cfg.to_dict()
@@ -74,7 +74,7 @@ def tiny_dense(model_type: str, tie: bool, seed: int = 0, llama3_rope: bool = Fa
 
 
 def tiny_drafter_config_dict(shift_label: bool, head: bool = True) -> dict:
-    """A drafter config dict in the released checkpoints' layout (Qwen3Config fields + ``dflash_config``)."""
+    """A drafter config dict in the released checkpoints' layout (DecoderConfig fields + ``dflash_config``)."""
     dc = dict(mask_token_id=127, target_layer_ids=[0, 2, 3])
     if head:
         dc.update(
@@ -98,11 +98,11 @@ def tiny_domino(shift_label: bool, seed: int = 0):
     """``(specforge DominoDraftModel, dflash DFlashDraftModel with the same backbone, config_dict)``."""
     from dflash.model import DFlashDraftModel
     from specforge.modeling.draft.domino import DominoDraftModel
-    from transformers import Qwen3Config
+    from transformers import DecoderConfig
 
     d = tiny_drafter_config_dict(shift_label)
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**{k: v for k, v in d.items()})
+    cfg = DecoderConfig(**{k: v for k, v in d.items()})
     cfg._attn_implementation = "eager"
     domino = DominoDraftModel(cfg).eval()
     randomize_norms(domino, seed + 1)
@@ -287,13 +287,13 @@ DENSE = {  # dense test cases: name -> (model_type, tie_word_embeddings, Llama 3
 @functools.lru_cache(maxsize=None)
 def dense_case(name: str):
     """``(HF model, our fp32 cfg, our fp32 params, keys read)`` for the ``DENSE`` case ``name``."""
-    from dtree_jax.models import qwen3
+    from dtree_jax.models import decoder
 
     model_type, tie, llama3 = DENSE[name]
     if model_type == "qwen3":
         model, d = tiny_qwen3(tie, seed=3 if tie else 4)
     else:
         model, d = tiny_dense(model_type, tie, seed=7 + len(name), llama3_rope=llama3)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
+    cfg = decoder.config_from_hf(d, dtype="float32")
     getter = StateGetter(model)
-    return model, cfg, qwen3.params_from_hf(cfg, getter, jnp.float32), getter.reads
+    return model, cfg, decoder.params_from_hf(cfg, getter, jnp.float32), getter.reads

@@ -84,7 +84,7 @@ def _require(d: Mapping[str, Any], key: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
+class DecoderConfig:
     """A dense decoder: Qwen3 (the target, or the drafter's backbone with its draft layers), Llama and Qwen2
     differ from it only by the switches ``qk_norm``, ``qkv_bias`` and ``rope_scaling``."""
 
@@ -122,8 +122,8 @@ class Qwen3Config:
         return self.num_kv_heads * self.kv_head_repeat
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any], **overrides) -> "Qwen3Config":
-        """From an HF ``Qwen3Config`` / ``LlamaConfig`` / ``Qwen2Config`` dict (``model_type`` sets the
+    def from_hf(cls, d: Mapping[str, Any], **overrides) -> "DecoderConfig":
+        """From an HF ``DecoderConfig`` / ``LlamaConfig`` / ``Qwen2Config`` dict (``model_type`` sets the
         switches; absent or any other value: Qwen3); ``overrides`` sets ``dtype``/``attention_impl`` (or any
         field).  What these models can be configured to do and is not implemented here is refused."""
         model_type = d.get("model_type") if d.get("model_type") in families.DENSE.model_types else "qwen3"
@@ -205,7 +205,7 @@ def _draft_attention(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[bool,
     window = d.get("sliding_window") if use_sw else None
     types = d.get("layer_types")
     if types is None:
-        first = int(d.get("max_window_layers", 28))  # HF Qwen3Config's default
+        first = int(d.get("max_window_layers", 28))  # HF DecoderConfig's default
         types = ["sliding_attention" if use_sw and i >= first else "full_attention" for i in range(num_layers)]
     types = tuple(types)
     if len(types) != num_layers or set(types) - set(LAYER_TYPES):
@@ -221,7 +221,7 @@ def _draft_attention(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[bool,
 class DrafterConfig:
     """A DFlash block drafter, optionally with Domino's GRU correction head (``has_head``)."""
 
-    model: Qwen3Config  # the draft backbone (num_layers = draft layers; vocab = the target's)
+    model: DecoderConfig  # the draft backbone (num_layers = draft layers; vocab = the target's)
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
@@ -301,7 +301,7 @@ class DrafterConfig:
         if d.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"drafter model_type must be qwen3 (DFlash draft layers are Qwen3 layers), got "
                              f"{d['model_type']!r}")
-        model = Qwen3Config.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
+        model = DecoderConfig.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
         causal, windows = _draft_attention(d, model.num_layers)
         n_target = pick("num_target_layers")
         ids = pick("target_layer_ids")

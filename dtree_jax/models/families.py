@@ -130,7 +130,7 @@ def module(kind: str) -> ModuleType:
 
 
 DENSE = register_family(Family(
-    "qwen3", "dtree_jax.models.qwen3", model_types=("qwen3", "qwen2", "llama"), kind_is_model_type=True,
+    "decoder", "dtree_jax.models.decoder", model_types=("qwen3", "qwen2", "llama"), kind_is_model_type=True,
 ))
 HYBRID = register_family(Family(
     "qwen3_5", "dtree_jax.models.qwen3_5", model_types=("qwen3_5", "qwen3_5_text", "qwen3_next"),

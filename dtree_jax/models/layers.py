@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
-from dtree_jax.models.config import Llama3RoPE, Qwen3Config, repeat_kv
+from dtree_jax.models.config import Llama3RoPE, DecoderConfig, repeat_kv
 from dtree_jax.models.kernels import attention_kwargs
 from dtree_jax.models.sharding import axes
 from pallas_kernels.tree_attention import reference_tree_attention
@@ -65,7 +65,7 @@ LAYER_KEYS = (
 )
 
 
-def layer_keys(cfg: Qwen3Config | None) -> tuple[tuple[str, str, bool], ...]:
+def layer_keys(cfg: DecoderConfig | None) -> tuple[tuple[str, str, bool], ...]:
     """The ``LAYER_KEYS`` entries a layer of ``cfg`` has (``None``: a Qwen3 layer, as in every DFlash drafter)."""
     qk_norm, bias = (True, False) if cfg is None else (cfg.qk_norm, cfg.qkv_bias)
     absent = set() if qk_norm else {"q_norm", "k_norm"}
@@ -73,7 +73,7 @@ def layer_keys(cfg: Qwen3Config | None) -> tuple[tuple[str, str, bool], ...]:
     return tuple(entry for entry in LAYER_KEYS if entry[1] not in absent)
 
 
-def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def layer_hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """HF shapes ``[out, in]`` of one decoder layer, keyed like ``LAYER_KEYS`` (only the keys it has)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -96,7 +96,7 @@ def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return {key: shapes[key] for key, _, _ in layer_keys(cfg)}
 
 
-def load_layer(leaf: Leaf, prefix: str, cfg: Qwen3Config | None = None) -> LayerParams:
+def load_layer(leaf: Leaf, prefix: str, cfg: DecoderConfig | None = None) -> LayerParams:
     """Builds one layer from ``leaf(hf_key, transpose)`` with HF keys ``{prefix}{LAYER_KEYS name}``; the
     fields ``cfg`` does not have are None (``cfg=None``: a Qwen3 layer, see ``layer_keys``)."""
     present = {field: leaf(prefix + key, t) for key, field, t in layer_keys(cfg)}
@@ -250,7 +250,7 @@ def swiglu(p: LayerParams, x: jax.Array) -> jax.Array:
 
 def kv_project(
     p: LayerParams,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     x: jax.Array,  # [B, T, H] (already normed: input_layernorm output, or the drafter's projected context)
     cos: jax.Array,  # [B, T, D]
     sin: jax.Array,  # [B, T, D]
@@ -267,7 +267,7 @@ def _project(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:  # [
     return x @ w if b is None else x @ w + b
 
 
-def _head_norm(x: jax.Array, w: jax.Array | None, cfg: Qwen3Config) -> jax.Array:  # [B, T, heads, D]
+def _head_norm(x: jax.Array, w: jax.Array | None, cfg: DecoderConfig) -> jax.Array:  # [B, T, heads, D]
     """Qwen3's per-head q/k RMSNorm; the identity for models without one (``w`` None)."""
     return x if w is None else rms_norm(x, w, cfg.rms_norm_eps)
 
@@ -284,7 +284,7 @@ def write_rows(cache: jax.Array, new: jax.Array, lens: jax.Array) -> jax.Array:
 
 
 def attend(
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     q: jax.Array,  # [B, T, Hq, D]
     k: jax.Array,  # [B, S, Hkv, D]
     v: jax.Array,  # [B, S, Hkv, D]
@@ -320,7 +320,7 @@ def attend(
 
 def decoder_layer(
     p: LayerParams,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     x: jax.Array,  # [B, T, H] residual stream
     cos: jax.Array,  # [B, T, D] RoPE tables at the tokens' positions
     sin: jax.Array,  # [B, T, D]

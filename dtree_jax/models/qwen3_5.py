@@ -38,7 +38,7 @@ from dtree_jax.models.config import (
     repeat_kv,
 )
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
-from dtree_jax.models.qwen3 import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
+from dtree_jax.models.decoder import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.layers import (
     Leaf,
     abstract_leaf,

@@ -1,5 +1,6 @@
-"""Dense targets, functional JAX: Qwen3 (``Qwen3ForCausalLM``), Llama (``LlamaForCausalLM``, with Llama 3.1
-RoPE scaling) and Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``), one code path switched by ``Qwen3Config``.
+"""The full-attention decoder, functional JAX: Qwen3 (``Qwen3ForCausalLM``), Llama (``LlamaForCausalLM``, with
+Llama 3.1 RoPE scaling) and Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``), one code path switched by ``DecoderConfig``
+(this module was ``models/qwen3.py``; the hybrid GDN stack is ``models/qwen3_5.py``).
 
 One ``forward`` serves every phase; the caller picks positions, ``lens`` and the local mask:
   * prefill: ``positions = arange(T)``, ``lens = 0``, causal ``local_mask`` (rows past a request's real length
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dtree_jax.models.cache import KVCache, causal_prefill, compact_kv, init_kv_cache
-from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.config import DecoderConfig
 from dtree_jax.models.layers import (
     LayerParams,
     Leaf,
@@ -46,12 +47,12 @@ class Qwen3Params:
     lm_head: jax.Array | None = axes(None, "vocab")
 
 
-def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen3Config:
-    """``Qwen3Config.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
-    return Qwen3Config.from_hf(d, **overrides)
+def config_from_hf(d: Mapping[str, Any], **overrides) -> DecoderConfig:
+    """``DecoderConfig.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
+    return DecoderConfig.from_hf(d, **overrides)
 
 
-def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every HF checkpoint key -> HF shape (``lm_head.weight`` absent when tied)."""
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_layers):
@@ -62,7 +63,7 @@ def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_params(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
+def build_params(cfg: DecoderConfig, leaf: Leaf) -> Qwen3Params:
     """The params pytree with each leaf made by ``leaf(hf_key, transpose)``: real tensors, abstract shapes, or
     the HF key itself (``dtree_jax.train.hf_tensors`` uses that to export)."""
     return Qwen3Params(
@@ -73,17 +74,17 @@ def build_params(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
     )
 
 
-def params_from_hf(cfg: Qwen3Config, get: Callable[[str], Any], dtype) -> Qwen3Params:
+def params_from_hf(cfg: DecoderConfig, get: Callable[[str], Any], dtype) -> Qwen3Params:
     """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
     return build_params(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
 
 
-def abstract_params(cfg: Qwen3Config, dtype) -> Qwen3Params:
+def abstract_params(cfg: DecoderConfig, dtype) -> Qwen3Params:
     """``Qwen3Params`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
     return build_params(cfg, abstract_leaf(hf_shapes(cfg), dtype))
 
 
-def init_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
+def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
     """Zero KV cache, per layer ``[batch, max_len, Hkv, D]`` in ``cfg.dtype``."""
     return init_kv_cache(cfg, batch, max_len)
 
@@ -97,7 +98,7 @@ def embed_table(params: Qwen3Params) -> jax.Array:  # [V, H]
     return params.embed
 
 
-def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
+def lm_head(params: Qwen3Params, cfg: DecoderConfig, x: jax.Array) -> jax.Array:
     """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``: ``params.lm_head``
     when the params hold one (untied checkpoints, or a tied table given its own copy by ``api.cpu_layout``),
     else the embedding table."""
@@ -108,7 +109,7 @@ def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
 
 def forward(
     params: Qwen3Params,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     tokens: jax.Array,  # [B, T] int32
     positions: jax.Array,  # [B, T] int32 RoPE positions
     cache: KVCache,
@@ -140,7 +141,7 @@ def forward(
 
 def prefill(
     params: Qwen3Params,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     tokens: jax.Array,  # [B, P] int32 right-padded prompts
     cache: KVCache,  # fresh (init_cache)
     prompt_lens: jax.Array,  # [B] int32 real prompt lengths (>= 1)
@@ -154,7 +155,7 @@ def prefill(
 
 
 def commit(
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     cache: KVCache,  # from forward (the tree's K/V at rows [lens, lens + N))
     lens: jax.Array,  # [B] int32 committed length before the verify
     path: jax.Array,  # [B, N] int32 accepted node indices in path order (path[:, 0] = 0, the root)
