@@ -491,7 +491,7 @@ def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
         _assert_same(params, want)
     cv.convert(sharded, out_dir=tmp_path / "out", progress=False)
     kind, got_cfg, restored = cv.load_converted(tmp_path / "out" / "target")
-    assert (kind, got_cfg) == ("qwen3", dataclasses.replace(cfg, dtype="bfloat16")) and isinstance(restored, decoder.Qwen3Params)
+    assert (kind, got_cfg) == ("qwen3", dataclasses.replace(cfg, dtype="bfloat16")) and isinstance(restored, decoder.DecoderParams)
     _assert_same(restored, cv.load_hf(single, "bfloat16")[2])
 
 

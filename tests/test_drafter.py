@@ -258,16 +258,16 @@ def test_every_config_field_is_honoured_or_refused():
     with pytest.raises(ValueError, match="output_multiplier"):
         drafter.config_from_hf(dict(domino, dflash_config=dict(domino["dflash_config"], output_multiplier=2.0)))
     # the generic fields transformers writes are accepted
-    from transformers import DecoderConfig
+    from transformers import Qwen3Config
 
-    written = dict(DecoderConfig(**{k: v for k, v in d.items() if k != "dflash_config"}).to_dict(), **d)
+    written = dict(Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"}).to_dict(), **d)
     assert drafter.config_from_hf(written).model == base.model
 
 
 def test_block_honours_causal_window_and_embedding_scale():
     """The drafter block vs the dflash package's model on one context, for each attention variant."""
     from dflash.model import DFlashDraftModel
-    from transformers import DecoderConfig
+    from transformers import Qwen3Config
 
     tmodel, tcfg, tparams = _target()
     _, dflash, _, _, getter = _drafter(False)
@@ -291,7 +291,7 @@ def test_block_honours_causal_window_and_embedding_scale():
         d = dict(d0, **extra)
         cfg = drafter.config_from_hf(d, dtype="float32")
         params = drafter.params_from_hf(cfg, getter, jnp.float32)
-        hf = DecoderConfig(**d)
+        hf = Qwen3Config(**d)
         hf._attn_implementation = "eager"
         ref_model = DFlashDraftModel(hf).eval()
         ref_model.load_state_dict(dflash.state_dict())

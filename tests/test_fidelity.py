@@ -59,9 +59,9 @@ def _torch_drafters(d: dict, seed: int = 3):
     ``DFlashDraftModel`` sharing one backbone, built from the config dict ``d``."""
     from dflash.model import DFlashDraftModel
     from specforge.modeling.draft.domino import DominoDraftModel
-    from transformers import DecoderConfig
+    from transformers import Qwen3Config
 
-    cfg = DecoderConfig(**copy.deepcopy(d))
+    cfg = Qwen3Config(**copy.deepcopy(d))
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     domino = None
@@ -197,11 +197,11 @@ def _shipped_pair():
     from dflash.model import DFlashDraftModel
     from safetensors.torch import load_file
     from specforge.modeling.draft.domino import DominoDraftModel
-    from transformers import DecoderConfig, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tmodel = Qwen3ForCausalLM.from_pretrained(SHIPPED / "tiny-target", dtype=torch.float32).eval()
     d = json.loads((SHIPPED / "tiny-domino" / "config.json").read_text())
-    cfg = DecoderConfig(**d)
+    cfg = Qwen3Config(**d)
     cfg._attn_implementation = "eager"
     state = load_file(SHIPPED / "tiny-domino" / "model.safetensors")
     domino, plain = DominoDraftModel(cfg).eval(), DFlashDraftModel(cfg).eval()

@@ -1,4 +1,5 @@
-"""Qwen3 dense target vs HF transformers ``Qwen3ForCausalLM`` (eager, fp32) on tiny random configs."""
+"""The full-attention decoder (``models.decoder``) vs HF transformers (eager, fp32) on tiny random configs:
+Qwen3, Llama, Qwen2 and Qwen3-MoE (``oracles.DENSE``)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_hf_shapes_match_saved_checkpoint(name, tmp_path):
     assert ("lm_head.weight" in saved) == (not tie)
     assert sorted(reads) == sorted(saved)
     assert any(k.endswith("q_proj.bias") for k in saved) == (model_type == "qwen2")
-    assert any("q_norm" in k for k in saved) == (model_type == "qwen3")
+    assert any("q_norm" in k for k in saved) == (model_type in ("qwen3", "qwen3_moe"))
+    assert any(".mlp.experts." in k for k in saved) == (model_type == "qwen3_moe")
     assert oracles.check_hf_contract(decoder, cfg, jnp.float32) == len(saved)
 
 

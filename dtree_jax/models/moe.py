@@ -1,0 +1,130 @@
+"""The sparse mixture-of-experts MLP of the Qwen MoE families (Qwen3-MoE, Qwen3-Next, Qwen3.5/3.6-MoE), one
+implementation for all of them: its weight contract, its params and its forward (its config fields, as HF
+writes them, are read by ``models.config.moe_fields``).
+
+Routing: an fp32 softmax over ``x @ router`` (``[H, E]``), the top ``k`` experts per token (renormalised to sum
+to 1 when ``norm_topk_prob``), each token's output the weighted sum of its experts' SwiGLU outputs, plus, where
+the family has one (Qwen3-Next, Qwen3.5-MoE), ``sigmoid(x @ shared_gate) * shared(x)``.
+
+Decoding needs no capacity: every token (a tree verify's every node) is routed on its own and none is dropped.
+The experts run as grouped matmuls: the ``T * k`` token-expert pairs sorted by expert, then ``lax.ragged_dot``
+over the per-expert group sizes (one pass over the experts' weights, whatever the routing).  On a mesh each
+expert's intermediate dimension is split over the ``model`` axis (``"mlp"``, as a dense MLP's is): every device
+holds ``1/model`` of every expert and computes every routed pair's partial sum, so routing needs no all-to-all
+and an uneven routing loads every device alike; the one all-reduce is the dense MLP's.
+
+Checkpoints store experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what ``save_pretrained``
+writes) or fused as transformers 5 holds them in memory (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``mlp.experts.down_proj [E, H, I]``); ``unfused_keys`` maps the fused tensors onto the per-expert contract
+(the converter reads one expert's slice at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dtree_jax.models.layers import DenseMLP, Leaf, derive, swiglu
+from dtree_jax.models.sharding import axes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEParams:
+    router: jax.Array = axes(None, None)  # [H, E] (replicated: every device routes every token)
+    w_gate: jax.Array = axes(None, None, "mlp")  # [E, H, I]
+    w_up: jax.Array = axes(None, None, "mlp")  # [E, H, I]
+    w_down: jax.Array = axes(None, "mlp", None)  # [E, I, H]
+    shared: DenseMLP | None  # the shared expert (None: Qwen3-MoE has none)
+    shared_gate: jax.Array | None = axes(None, None)  # [H, 1] its sigmoid gate
+
+
+def dense_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, int]]:
+    """A SwiGLU MLP's HF keys under ``prefix`` -> ``[out, in]`` shapes (hidden ``h``, intermediate ``i``)."""
+    return {f"{prefix}gate_proj.weight": (i, h), f"{prefix}up_proj.weight": (i, h), f"{prefix}down_proj.weight": (h, i)}
+
+
+def hf_shapes(cfg, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One MoE MLP's HF keys under ``prefix`` (``...mlp.``), experts one by one -> HF shape ``[out, in]``."""
+    h = cfg.hidden_size
+    shapes = {f"{prefix}gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes.update(dense_shapes(f"{prefix}experts.{e}.", h, cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        shapes.update(dense_shapes(f"{prefix}shared_expert.", h, cfg.shared_expert_intermediate_size))
+        shapes[f"{prefix}shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def load_dense(leaf: Leaf, prefix: str) -> DenseMLP:
+    """A SwiGLU MLP from ``{prefix}{gate,up,down}_proj.weight``."""
+    return DenseMLP(*(leaf(f"{prefix}{n}_proj.weight", True) for n in ("gate", "up", "down")))
+
+
+def load(cfg, leaf: Leaf, prefix: str) -> MoEParams:
+    """An MoE MLP from the per-expert keys of ``hf_shapes(cfg, prefix)``, experts stacked (``derive``: a mesh
+    read makes each stacked leaf from its experts when it is placed)."""
+    experts = [load_dense(leaf, f"{prefix}experts.{e}.") for e in range(cfg.num_experts)]
+    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+    shared = cfg.shared_expert_intermediate_size > 0
+    return MoEParams(
+        router=leaf(prefix + "gate.weight", True),
+        w_gate=derive(stack, *(e.w_gate for e in experts)),
+        w_up=derive(stack, *(e.w_up for e in experts)),
+        w_down=derive(stack, *(e.w_down for e in experts)),
+        shared=load_dense(leaf, prefix + "shared_expert.") if shared else None,
+        shared_gate=leaf(prefix + "shared_expert_gate.weight", True) if shared else None,
+    )
+
+
+_FUSED = re.compile(r"^(?P<mlp>.*\.mlp\.experts\.)(?P<name>gate_up_proj|down_proj)$")
+
+
+def unfused_keys(keys, num_experts_of) -> dict[str, tuple[str, int, str]]:
+    """For the fused expert tensors among checkpoint ``keys`` (``...mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``...mlp.experts.down_proj [E, H, I]``): each per-expert key they hold -> ``(fused key, expert, part)``,
+    part ``"gate"`` / ``"up"`` (row halves of ``gate_up_proj``) or ``"down"``; ``num_experts_of(key)`` is a
+    fused tensor's ``E``.  Empty for a checkpoint that stores experts one by one."""
+    out = {}
+    for key in keys:
+        m = _FUSED.match(key)
+        if m:
+            parts = ("down",) if m["name"] == "down_proj" else ("gate", "up")
+            for e in range(num_experts_of(key)):
+                out.update({f"{m['mlp']}{e}.{part}_proj.weight": (key, e, part) for part in parts})
+    return out
+
+
+def expert_part(x: np.ndarray, part: str) -> np.ndarray:
+    """One expert's ``[out, in]`` tensor ``part`` from its slice ``x`` of a fused tensor (``gate_up_proj[e]``
+    ``[2I, H]``: gate rows, then up rows; ``down_proj[e]`` ``[H, I]``)."""
+    if part == "down":
+        return x
+    half = x.shape[0] // 2
+    return x[:half] if part == "gate" else x[half:]
+
+
+def moe_mlp(p: MoEParams, x: jax.Array, *, top_k: int, norm_topk_prob: bool) -> jax.Array:  # [..., H] -> [..., H]
+    """The MoE MLP (module docstring): fp32 router softmax, top-``top_k`` experts per token, grouped matmuls over
+    the token-expert pairs sorted by expert, plus the gated shared expert when ``p`` has one."""
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])  # [M, H]
+    probs = jax.nn.softmax((xf @ p.router).astype(jnp.float32), axis=-1)  # [M, E]
+    top_w, top_e = jax.lax.top_k(probs, top_k)  # [M, k]
+    if norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # [M*k] pairs grouped by expert
+    token = order // top_k
+    sizes = jnp.bincount(flat_e, length=p.router.shape[-1]).astype(jnp.int32)  # [E]
+    xs = xf[token]  # [M*k, H]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, p.w_gate, sizes)) * jax.lax.ragged_dot(xs, p.w_up, sizes)
+    ys = jax.lax.ragged_dot(hidden, p.w_down, sizes) * top_w.astype(x.dtype).reshape(-1)[order][:, None]
+    out = jnp.zeros_like(xf).at[token].add(ys)
+    if p.shared is not None:
+        out = out + swiglu(p.shared, xf) * jax.nn.sigmoid(xf @ p.shared_gate)
+    return out.reshape(shape)
