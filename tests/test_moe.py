@@ -134,3 +134,27 @@ def test_fused_expert_checkpoints_read_like_per_expert_ones(pair, tmp_path):
     save_file(bad, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="fused experts .* have shape"):
         convert.load_hf(tmp_path, "float32", progress=False)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_three_groupings_compute_the_same(shared):
+    """``moe_mlp``'s ragged / gather / dense runs of the routed experts agree (random layer, 1 to 9 tokens,
+    with and without a shared expert); an unknown grouping is refused."""
+    from dtree_jax.models import moe
+    from dtree_jax.models.layers import DenseMLP
+
+    ks = jax.random.split(jax.random.key(3), 8)
+    h, e, i = 16, 6, 8
+    p = moe.MoEParams(
+        router=jax.random.normal(ks[0], (h, e)), w_gate=jax.random.normal(ks[1], (e, h, i)) * 0.3,
+        w_up=jax.random.normal(ks[2], (e, h, i)) * 0.3, w_down=jax.random.normal(ks[3], (e, i, h)) * 0.3,
+        shared=DenseMLP(*(jax.random.normal(k, s) * 0.3 for k, s in zip(ks[4:7], ((h, 5), (h, 5), (5, h)))))
+        if shared else None,
+        shared_gate=jax.random.normal(ks[7], (h, 1)) if shared else None)
+    for tokens in (1, 4, 9):
+        x = jax.random.normal(jax.random.fold_in(ks[0], tokens), (1, tokens, h))
+        outs = [moe.moe_mlp(p, x, top_k=2, norm_topk_prob=True, grouping=g) for g in moe.GROUPINGS]
+        for out in outs[1:]:
+            np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="grouping"):
+        moe.moe_mlp(p, x, top_k=2, norm_topk_prob=True, grouping="sorted")

@@ -7,8 +7,11 @@ to 1 when ``norm_topk_prob``), each token's output the weighted sum of its exper
 the family has one (Qwen3-Next, Qwen3.5-MoE), ``sigmoid(x @ shared_gate) * shared(x)``.
 
 Decoding needs no capacity: every token (a tree verify's every node) is routed on its own and none is dropped.
-The experts run as grouped matmuls: the ``T * k`` token-expert pairs sorted by expert, then ``lax.ragged_dot``
-over the per-expert group sizes (one pass over the experts' weights, whatever the routing).  On a mesh each
+On TPU and GPU the experts run as grouped matmuls: the ``T * k`` token-expert pairs sorted by expert, then
+``lax.ragged_dot`` over the per-expert group sizes.  XLA:CPU runs ``ragged_dot`` as every expert over every pair
+(``experiments/bench_moe.py``: 33 tokens of a Qwen3-30B-A3B layer 2.5x the dense cost), so there the pairs'
+expert weights are gathered while there are fewer pairs than experts, and past that every expert runs on every
+token (``models.kernels.moe_grouping`` chooses, from the platform and the static token count).  On a mesh each
 expert's intermediate dimension is split over the ``model`` axis (``"mlp"``, as a dense MLP's is): every device
 holds ``1/model`` of every expert and computes every routed pair's partial sum, so routing needs no all-to-all
 and an uneven routing loads every device alike; the one all-reduce is the dense MLP's.
@@ -27,7 +30,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+from dtree_jax.models import sharding
 from dtree_jax.models.layers import DenseMLP, Leaf, derive, swiglu
 from dtree_jax.models.sharding import axes
 
@@ -108,23 +113,75 @@ def expert_part(x: np.ndarray, part: str) -> np.ndarray:
     return x[:half] if part == "gate" else x[half:]
 
 
-def moe_mlp(p: MoEParams, x: jax.Array, *, top_k: int, norm_topk_prob: bool) -> jax.Array:  # [..., H] -> [..., H]
-    """The MoE MLP (module docstring): fp32 router softmax, top-``top_k`` experts per token, grouped matmuls over
-    the token-expert pairs sorted by expert, plus the gated shared expert when ``p`` has one."""
-    shape = x.shape
-    xf = x.reshape(-1, shape[-1])  # [M, H]
+GROUPINGS = ("ragged", "gather", "dense")  # how the routed experts run (``moe_mlp``; ``kernels.moe_grouping``)
+
+
+def route(p: MoEParams, xf: jax.Array, top_k: int, norm_topk_prob: bool):  # [M, H] -> ([M, k] fp32, [M, k])
+    """Each token's ``top_k`` experts and their weights: fp32 softmax over the router's logits, top-k
+    (renormalised to sum to 1 when ``norm_topk_prob``)."""
     probs = jax.nn.softmax((xf @ p.router).astype(jnp.float32), axis=-1)  # [M, E]
-    top_w, top_e = jax.lax.top_k(probs, top_k)  # [M, k]
+    top_w, top_e = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_w, top_e
+
+
+def _ragged(p: MoEParams, xf, top_w, top_e):  # grouped GEMM over the pairs sorted by expert
+    k = top_e.shape[-1]
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # [M*k] pairs grouped by expert
-    token = order // top_k
+    token = order // k
     sizes = jnp.bincount(flat_e, length=p.router.shape[-1]).astype(jnp.int32)  # [E]
     xs = xf[token]  # [M*k, H]
     hidden = jax.nn.silu(jax.lax.ragged_dot(xs, p.w_gate, sizes)) * jax.lax.ragged_dot(xs, p.w_up, sizes)
-    ys = jax.lax.ragged_dot(hidden, p.w_down, sizes) * top_w.astype(x.dtype).reshape(-1)[order][:, None]
-    out = jnp.zeros_like(xf).at[token].add(ys)
+    ys = jax.lax.ragged_dot(hidden, p.w_down, sizes) * top_w.astype(xf.dtype).reshape(-1)[order][:, None]
+    return jnp.zeros_like(xf).at[token].add(ys)
+
+
+def _gather(p: MoEParams, xf, top_w, top_e):  # each pair's expert weights gathered: reads the routed experts only
+    k = top_e.shape[-1]
+    flat_e = top_e.reshape(-1)
+    xs = jnp.repeat(xf, k, axis=0)  # [M*k, H]
+    hidden = jax.nn.silu(jnp.einsum("ph,phi->pi", xs, p.w_gate[flat_e])) * \
+        jnp.einsum("ph,phi->pi", xs, p.w_up[flat_e])
+    ys = jnp.einsum("pi,pih->ph", hidden, p.w_down[flat_e]) * top_w.astype(xf.dtype).reshape(-1, 1)
+    return ys.reshape(xf.shape[0], k, -1).sum(1)
+
+
+def _dense(p: MoEParams, xf, top_w, top_e):  # every expert on every token, weighted by the routing
+    rows = jnp.arange(xf.shape[0])[:, None]
+    combine = jnp.zeros((xf.shape[0], p.router.shape[-1]), xf.dtype).at[rows, top_e].set(top_w.astype(xf.dtype))
+    hidden = jax.nn.silu(jnp.einsum("mh,ehi->emi", xf, p.w_gate)) * jnp.einsum("mh,ehi->emi", xf, p.w_up)
+    return jnp.einsum("emi,eih,me->mh", hidden, p.w_down, combine)
+
+
+def moe_mlp(p: MoEParams, x: jax.Array, *, top_k: int, norm_topk_prob: bool,
+            grouping: str = "ragged") -> jax.Array:  # [B, T, H] -> [B, T, H]
+    """The MoE MLP (module docstring): ``route``, the routed experts run as ``grouping`` says (``GROUPINGS``:
+    "ragged", ``lax.ragged_dot`` over the token-expert pairs sorted by expert, the grouped GEMM of TPUs and
+    GPUs; "gather", each pair's expert weights gathered, which reads only the routed experts; "dense", every
+    expert on every token, weighted by the routing; all three compute the same), plus the gated shared expert
+    when ``p`` has one.  Under a mesh whose ``model`` axis splits the experts' intermediate dimension, the
+    routed experts run per shard on their slices and one ``psum`` adds the partial outputs (nothing is
+    gathered: the partitioner would replicate the expert weights for a ``ragged_dot``)."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    run = {"ragged": _ragged, "gather": _gather, "dense": _dense}[grouping]
+
+    def routed(p: MoEParams, x: jax.Array) -> jax.Array:  # [B, T, H], this shard's experts' slice
+        xf = x.reshape(-1, x.shape[-1])  # [M, H]
+        return run(p, xf, *route(p, xf, top_k, norm_topk_prob)).reshape(x.shape)
+
+    experts = dataclasses.replace(p, shared=None, shared_gate=None)
+    mesh = sharding.context_mesh()
+    specs = sharding.partition_specs(experts, mesh) if mesh is not None else None
+    if specs is None or specs.w_down == PartitionSpec():
+        out = routed(experts, x)
+    else:
+        data = sharding.DATA if x.shape[0] % sharding.axis_size(mesh, sharding.DATA) == 0 else None
+        rows = PartitionSpec(data)
+        out = sharding.per_shard(lambda p, x: jax.lax.psum(routed(p, x), sharding.MODEL), (specs, rows), rows)(
+            experts, x)
     if p.shared is not None:
-        out = out + swiglu(p.shared, xf) * jax.nn.sigmoid(xf @ p.shared_gate)
-    return out.reshape(shape)
+        out = out + swiglu(p.shared, x) * jax.nn.sigmoid(x @ p.shared_gate)
+    return out

@@ -465,7 +465,8 @@ def gdn_project(
 
 def mlp(layer: HybridLayer, cfg: Qwen35Config, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
     if isinstance(layer.mlp, moe.MoEParams):
-        return moe.moe_mlp(layer.mlp, x, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
+        return moe.moe_mlp(layer.mlp, x, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                           grouping=kernels.moe_grouping(cfg, x.size // x.shape[-1]))
     return swiglu(layer.mlp, x)
 
 
