@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models import kernels, moe
+from dtree_jax.models import moe
 from dtree_jax.models.cache import KVCache, causal_prefill, compact_kv, init_kv_cache
 from dtree_jax.models.config import DecoderConfig
 from dtree_jax.models.layers import (
@@ -153,10 +153,7 @@ def _mlp(cfg: DecoderConfig):
     """A layer's MLP: its ``models.moe`` experts in an MoE layer, else the dense SwiGLU."""
 
     def mlp(p: LayerParams, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-        if p.moe is None:
-            return swiglu(p, x)
-        return moe.moe_mlp(p.moe, x, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                           grouping=kernels.moe_grouping(cfg, x.size // x.shape[-1]))
+        return swiglu(p, x) if p.moe is None else moe.mlp_for(cfg, p.moe, x)
 
     return mlp
 

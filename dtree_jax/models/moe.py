@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from dtree_jax.models import sharding
+from dtree_jax.models import kernels, sharding
 from dtree_jax.models.layers import DenseMLP, Leaf, derive, swiglu
 from dtree_jax.models.sharding import axes
 
@@ -185,3 +185,10 @@ def moe_mlp(p: MoEParams, x: jax.Array, *, top_k: int, norm_topk_prob: bool,
     if p.shared is not None:
         out = out + swiglu(p.shared, x) * jax.nn.sigmoid(x @ p.shared_gate)
     return out
+
+
+def mlp_for(cfg, p: MoEParams, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+    """``moe_mlp`` as a model config sets it up: its top-k and renormalisation, and the grouping
+    ``models.kernels.moe_grouping`` picks for its platform and ``x``'s token count."""
+    return moe_mlp(p, x, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                   grouping=kernels.moe_grouping(cfg, x.size // x.shape[-1]))

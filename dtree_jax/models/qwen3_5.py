@@ -464,10 +464,7 @@ def gdn_project(
 
 
 def mlp(layer: HybridLayer, cfg: Qwen35Config, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-    if isinstance(layer.mlp, moe.MoEParams):
-        return moe.moe_mlp(layer.mlp, x, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                           grouping=kernels.moe_grouping(cfg, x.size // x.shape[-1]))
-    return swiglu(layer.mlp, x)
+    return moe.mlp_for(cfg, layer.mlp, x) if isinstance(layer.mlp, moe.MoEParams) else swiglu(layer.mlp, x)
 
 
 def parents_from_mask(local_mask: jax.Array) -> jax.Array:  # [B, T, T] -> [B, T] int32
