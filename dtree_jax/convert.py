@@ -40,7 +40,8 @@ import ml_dtypes
 import numpy as np
 
 from dtree_jax.cost import CALIBRATION_FILE
-from dtree_jax.models import families
+from dtree_jax.models import families, moe
+
 DTYPES = ("bfloat16", "float16", "float32")
 INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 TOKENIZER_FILES = (
@@ -138,9 +139,10 @@ class _SafetensorsFile:
         with _file_errors(self.file, f"read the header of {key!r}"):
             return tuple(self._handle.get_slice(key).get_shape())
 
-    def read(self, key: str) -> np.ndarray:
+    def read(self, key: str, index: int | None = None) -> np.ndarray:
+        """The tensor ``key``, or only its ``index``-th row block (``x[index]``, read alone)."""
         with _file_errors(self.file, f"read {key!r}"):
-            return self._handle.get_tensor(key)
+            return self._handle.get_tensor(key) if index is None else self._handle.get_slice(key)[index]
 
 
 class _TorchFile:
@@ -171,9 +173,9 @@ class _TorchFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._state[key].shape)
 
-    def read(self, key: str) -> np.ndarray:
+    def read(self, key: str, index: int | None = None) -> np.ndarray:
         with _file_errors(self.file, f"read {key!r}"):
-            t = self._state[key].contiguous()
+            t = (self._state[key] if index is None else self._state[key][index]).contiguous()
             if t.dtype == self._torch.bfloat16:
                 return t.view(self._torch.uint16).numpy().view(ml_dtypes.bfloat16)
             return t.numpy()
@@ -228,6 +230,18 @@ class CheckpointReader:
                 if key in self._where:
                     raise ValueError(f"{file}: key {key!r} also stored in {self._where[key]}")
                 self._where[key] = file
+        self._unfuse_experts()
+
+    def _unfuse_experts(self) -> None:
+        """Fused MoE experts (``models.moe.unfused_keys``) are listed as the per-expert keys they hold, each
+        read as its own slice of the fused tensor."""
+        self._experts = moe.unfused_keys(self._where, self._num_experts)
+        for key, (fused, _, _) in self._experts.items():
+            if key in self._where:
+                raise ValueError(f"{self._where[key]}: expert key {key!r} is also held by the fused {fused!r}")
+            self._where[key] = self._where[fused]
+        for fused in {f for f, _, _ in self._experts.values()}:
+            del self._where[fused]
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -243,6 +257,14 @@ class CheckpointReader:
             if key not in self._files[file].keys():
                 raise ValueError(f"{file}: key {key!r} listed in {index.name} is not in this shard")
             self._where[key] = file
+        self._unfuse_experts()
+
+    def _num_experts(self, fused: str) -> int:
+        shape = self.shape(fused)
+        if len(shape) != 3 or (fused.endswith("gate_up_proj") and shape[1] % 2):
+            raise ValueError(f"{self._where[fused]}: fused experts {fused!r} have shape {shape}; expected "
+                             "[experts, 2 * intermediate, hidden] (gate_up_proj) or [experts, hidden, intermediate]")
+        return shape[0]
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -254,9 +276,16 @@ class CheckpointReader:
         return self._where[key]
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if key in getattr(self, "_experts", {}):
+            fused, _, part = self._experts[key]
+            _, rows, cols = self._files[self._where[key]].shape(fused)
+            return (rows // 2, cols) if part != "down" else (rows, cols)
         return self._files[self._where[key]].shape(key)
 
     def read(self, key: str) -> np.ndarray:
+        if key in self._experts:
+            fused, expert, part = self._experts[key]
+            return moe.expert_part(self._files[self._where[key]].read(fused, expert), part)
         return self._files[self._where[key]].read(key)
 
     def close(self) -> None:

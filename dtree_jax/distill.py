@@ -227,6 +227,33 @@ def generate_shards(
         prompts_sha256=digest,
         stop_ids=list(target.eos_token_ids),
     )
+    _claim_data_dir(out, settings)
+    n_shards = -(-len(prompts) // shard_size)
+    todo = [i for i in range(n_shards) if not _shard_path(out, i).is_file()]
+    bar = tqdm(todo, desc="distill data", disable=not progress, mininterval=5)
+    for i in bar:
+        chunk = [list(map(int, p)) for p in prompts[i * shard_size : (i + 1) * shard_size]]
+        n = len(chunk)
+        chunk += [chunk[-1]] * (shard_size - n)
+        g = generate(target, chunk, "ar", max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                     prompt_bucket=prompt_tokens)
+        sequences = [p + t for p, t in zip(chunk, g.tokens)]
+        shard = _record_shard(target, sequences, taps=taps, top_k=top_k, record_batch=record_batch,
+                              max_len=prompt_tokens + max_new_tokens)
+        _atomic_savez(
+            _shard_path(out, i),
+            **{name: x[:n] for name, x in shard.items() if name != "record_seconds"},
+            prompt_lens=np.asarray([len(p) for p in chunk[:n]], np.int32),
+            generate_seconds=np.float64(g.seconds),
+            record_seconds=shard["record_seconds"],
+        )
+        bar.set_postfix(gen_tok_s=f"{sum(len(t) for t in g.tokens) / g.seconds:.0f}")
+    return dict(settings=settings, shards=n_shards)
+
+
+def _claim_data_dir(out: pathlib.Path, settings: dict) -> None:
+    """Creates ``out`` and writes its manifest; ValueError naming the settings that differ when ``out`` already
+    holds data made with others (so a resumed run never mixes two recipes)."""
     out.mkdir(parents=True, exist_ok=True)
     manifest_file = out / MANIFEST
     if manifest_file.is_file():
@@ -238,47 +265,25 @@ def generate_shards(
                 "pass another data directory or delete this one"
             )
     manifest_file.write_text(json.dumps(dict(settings=settings), indent=1) + "\n")
-    n_shards = -(-len(prompts) // shard_size)
-    todo = [i for i in range(n_shards) if not _shard_path(out, i).is_file()]
-    length = prompt_tokens + max_new_tokens
-    bar = tqdm(todo, desc="distill data", disable=not progress, mininterval=5)
-    for i in bar:
-        chunk = [list(map(int, p)) for p in prompts[i * shard_size : (i + 1) * shard_size]]
-        n = len(chunk)
-        chunk += [chunk[-1]] * (shard_size - n)
-        g = generate(
-            target,
-            chunk,
-            "ar",
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed + i,
-            prompt_bucket=prompt_tokens,
-        )
-        lens = np.asarray([len(p) + len(t) for p, t in zip(chunk, g.tokens)], np.int32)
-        width = min(length, -(-int(lens.max()) // 32) * 32)  # few shapes, little padding
-        tokens = np.zeros((shard_size, width), np.int32)
-        for r, (p, t) in enumerate(zip(chunk, g.tokens)):
-            tokens[r, : len(p) + len(t)] = p + t
-        t0 = time.perf_counter()
-        parts = [
-            record(target.module, target.params, target.cfg, jnp.asarray(tokens[r : r + record_batch]), taps, top_k)
-            for r in range(0, shard_size, record_batch)
-        ]
-        feats, ids, logp = (np.concatenate([np.asarray(x[f]) for x in parts]) for f in range(3))
-        _atomic_savez(
-            _shard_path(out, i),
-            tokens=tokens[:n],
-            lens=lens[:n],
-            prompt_lens=np.asarray([len(p) for p in chunk[:n]], np.int32),
-            feats=feats[:n].view(np.uint16),
-            top_ids=ids[:n],
-            top_logp=logp[:n],
-            generate_seconds=np.float64(g.seconds),
-            record_seconds=np.float64(time.perf_counter() - t0),
-        )
-        bar.set_postfix(gen_tok_s=f"{sum(len(t) for t in g.tokens) / g.seconds:.0f}")
-    return dict(settings=settings, shards=n_shards)
+
+
+def _record_shard(target, sequences: list[list[int]], *, taps, top_k: int, record_batch: int, max_len: int) -> dict:
+    """One shard's arrays for ``sequences`` (prompt + response token lists): ``tokens`` zero padded to the
+    longest rounded up to 32 (at most ``max_len``), ``lens``, and the target's ``feats`` (bf16 as ``uint16``),
+    ``top_ids`` / ``top_logp``, recorded ``record_batch`` sequences at a time; ``record_seconds``."""
+    lens = np.asarray([len(x) for x in sequences], np.int32)
+    width = min(max_len, -(-int(lens.max()) // 32) * 32)  # few shapes, little padding
+    tokens = np.zeros((len(sequences), width), np.int32)
+    for r, x in enumerate(sequences):
+        tokens[r, : len(x)] = x
+    t0 = time.perf_counter()
+    parts = [
+        record(target.module, target.params, target.cfg, jnp.asarray(tokens[r : r + record_batch]), taps, top_k)
+        for r in range(0, len(sequences), record_batch)
+    ]
+    feats, ids, logp = (np.concatenate([np.asarray(x[f]) for x in parts]) for f in range(3))
+    return dict(tokens=tokens, lens=lens, feats=feats.view(np.uint16), top_ids=ids, top_logp=logp,
+                record_seconds=np.float64(time.perf_counter() - t0))
 
 
 def data_stats(*dirs: str | pathlib.Path) -> dict:
@@ -471,6 +476,37 @@ def lambda_base(step, backbone_steps: int, head_steps: int, final: float = 0.3):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _resume(mgr, params, state, meta: dict, *, where: str):
+    """``(params, optimizer state, log)`` from ``mgr``'s latest checkpoint, or the given ones and a fresh log
+    when it has none; ValueError when the checkpoint was made with other ``meta``."""
+    import orbax.checkpoint as ocp
+
+    if mgr.latest_step() is None:
+        return params, state, dict(step=0, steps=[], loss=[], seconds=0.0)
+    got = mgr.restore(
+        mgr.latest_step(),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(dict(params=params, opt=state)), log=ocp.args.JsonRestore()
+        ),
+    )
+    if got.log["meta"] != json.loads(json.dumps(meta)):
+        raise ValueError(
+            f"{where}: checkpoint was made with other settings ({got.log['meta']}); "
+            "pass another checkpoint directory or the same settings"
+        )
+    return got.state["params"], got.state["opt"], got.log["log"]
+
+
+def _log_step(log: dict, step: int, loss: float, aux: dict[str, float], *, desc: str) -> None:
+    """Appends a logged step to ``log``; FloatingPointError when the loss is not finite."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"{desc}: loss became {loss} at step {step}")
+    log["steps"].append(step)
+    log["loss"].append(loss)
+    for name, v in aux.items():
+        log.setdefault(name, []).append(v)
+
+
 def fit_resumable(
     params,
     loss_fn: Callable,  # (params, batch, step) -> (scalar, aux dict of scalars)
@@ -503,21 +539,9 @@ def fit_resumable(
     mgr = ocp.CheckpointManager(
         pathlib.Path(ckpt_dir).resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
     )
-    log, start = dict(step=0, steps=[], loss=[], seconds=0.0), 0
-    if mgr.latest_step() is not None:
-        start = mgr.latest_step()
-        got = mgr.restore(
-            start,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(dict(params=params, opt=state)), log=ocp.args.JsonRestore()
-            ),
-        )
-        if got.log["meta"] != json.loads(json.dumps(meta)):
-            raise ValueError(
-                f"{ckpt_dir}: checkpoint was made with other settings ({got.log['meta']}); "
-                "pass another checkpoint directory or the same settings"
-            )
-        params, state, log = got.state["params"], got.state["opt"], got.log["log"]
+    start = mgr.latest_step() or 0
+    params, state, log = _resume(mgr, params, state, meta, where=f"{ckpt_dir}")
+    if start:
         print(f"{desc}: resuming at step {start} of {steps}", file=sys.stderr)
 
     @jax.jit
@@ -542,14 +566,8 @@ def fit_resumable(
     for step in bar:
         params, state, loss, aux = step_fn(params, state, batch_fn(step), jnp.int32(step))
         if step % log_every == 0 or step == steps - 1:
-            loss = float(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"{desc}: loss became {loss} at step {step}")
-            log["steps"].append(step)
-            log["loss"].append(loss)
-            for name, v in aux.items():
-                log.setdefault(name, []).append(float(v))
-            bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{float(v):.3f}" for k, v in aux.items()})
+            _log_step(log, step, float(loss), {k: float(v) for k, v in aux.items()}, desc=desc)
+            bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{float(v):.3f}" for k, v in aux.items()})
         if (step + 1) % save_every == 0 or step + 1 == end:
             log.update(step=step + 1, seconds=seconds0 + time.perf_counter() - t0)
             save(step + 1)

@@ -242,7 +242,7 @@ class GGUFCheckpoint:
 
     def tokenizer(self):
         """The byte-level BPE tokenizer (``tokenizers.Tokenizer``) the metadata describes."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
         kind = self._meta("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -268,16 +268,7 @@ class GGUFCheckpoint:
             return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
 
         tok = Tokenizer(models.BPE(vocab={spelled(t): i for i, t in enumerate(tokens)}, merges=merges))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
-        if pre in _DIGITS_THEN_GPT2:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        elif pre in _SPLITS:
-            split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-        else:
-            tok.pre_tokenizer = byte_level
+        tok.pre_tokenizer = _pre_tokenizer(pre)
         tok.decoder = decoders.ByteLevel()
         # control tokens whole and special (a "control" token outside the byte alphabet is a mislabel: skip
         # it), user-defined ones whole but not special
@@ -289,7 +280,16 @@ class GGUFCheckpoint:
             ]
         )
         tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
-        ends = {}  # "bos" / "eos" -> (token, id) for the ends the tokenizer adds
+        ends = self._added_ends(tokens)
+        if ends:
+            single = [f"{ends['bos'][0]}:0"] if "bos" in ends else []
+            single += ["$A:0"] + ([f"{ends['eos'][0]}:0"] if "eos" in ends else [])
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(ends.values()))
+        return tok
+
+    def _added_ends(self, tokens: list[str]) -> dict[str, tuple[str, int]]:
+        """``"bos"`` / ``"eos"`` -> (token, id) for the ends the tokenizer adds (``add_bos_token`` ...)."""
+        ends = {}
         for end in ("bos", "eos"):
             if self._meta(f"tokenizer.ggml.add_{end}_token", False):
                 token_id = self._meta(f"tokenizer.ggml.{end}_token_id", None)
@@ -298,11 +298,7 @@ class GGUFCheckpoint:
                         f"{self.path}: tokenizer.ggml.add_{end}_token is set but {end}_token_id is missing"
                     )
                 ends[end] = (tokens[int(token_id)], int(token_id))
-        if ends:
-            single = [f"{ends['bos'][0]}:0"] if "bos" in ends else []
-            single += ["$A:0"] + ([f"{ends['eos'][0]}:0"] if "eos" in ends else [])
-            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(ends.values()))
-        return tok
+        return ends
 
     def tokenizer_config(self) -> dict:
         """``tokenizer_config.json``: BOS/EOS/PAD/UNK tokens, whether BOS/EOS are added, the chat template."""
@@ -335,6 +331,19 @@ class GGUFCheckpoint:
             self.tokenizer().save(str(out / "tokenizer.json"))
             (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config(), indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(self.generation_config(), indent=2) + "\n")
+
+
+def _pre_tokenizer(pre: str):
+    """The ``tokenizers`` pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name: byte-level, after a split
+    regex (``_SPLITS``) or single digits (``_DIGITS_THEN_GPT2``) where the name says so."""
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+    return byte_level
 
 
 def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:  # [heads * D, ...] -> [heads * D, ...]

@@ -80,7 +80,7 @@ def load_model(model, mesh=None) -> Model | None:
 
 def cpu_layout(model: Model, mesh=None) -> Model:
     """On the CPU backend, a loaded target with tied embeddings gets its output head as its own contiguous
-    ``[H, V]`` copy of the table (``Qwen3Params.lm_head``; placed on ``mesh`` with the table's sharding when
+    ``[H, V]`` copy of the table (``DecoderParams.lm_head``; placed on ``mesh`` with the table's sharding when
     given).  The logits are the same; XLA:CPU's matmuls read ``[H, V]`` faster than the transposed ``[V, H]``
     table (SmolLM2-135M's 49,152 x 576 head, 5 rows on 2 cores: 6.4 ms instead of 8.7), for a second copy of
     the table in memory, so accelerators keep the tied table.  Drafters, custom implementations and untied

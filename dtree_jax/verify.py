@@ -169,19 +169,28 @@ def accept_rejection(
         if np.any(~np.isfinite(d)) or np.any(d < 0) or np.any(d > 1):
             raise ValueError("draft_probs must be probabilities in [0, 1]")
     check_parents(parents)
-    if np.ndim(parents) == 2:
-        keys = jax.random.split(key, np.shape(parents)[0])
-        return jax.vmap(lambda p, t, d, l, k: accept_rejection(p, t, d, l, k, temperature))(
-            parents, tokens, draft_probs, target_logits, keys
-        )
-    parents = jnp.asarray(parents, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    n = parents.shape[-1]
-    greedy = jnp.asarray(temperature, jnp.float32) <= 0
     target_logits = jnp.asarray(target_logits, jnp.float32)
     target = jax.nn.softmax(target_logits / jnp.maximum(temperature, 1e-6), axis=-1)
+    greedy = jnp.asarray(temperature, jnp.float32) <= 0
     target = jnp.where(greedy, jax.nn.one_hot(jnp.argmax(target_logits, -1), target.shape[-1]), target)
-    draft = jnp.asarray(draft_probs, jnp.float32)
+    walk = lambda p, t, d, q, k: _rejection_walk(  # noqa: E731
+        jnp.asarray(p, jnp.int32), jnp.asarray(t, jnp.int32), jnp.asarray(d, jnp.float32), q, k)
+    if np.ndim(parents) == 2:
+        keys = jax.random.split(key, np.shape(parents)[0])
+        return jax.vmap(walk)(parents, tokens, draft_probs, target, keys)
+    return walk(parents, tokens, draft_probs, target, key)
+
+
+def _rejection_walk(
+    parents: jax.Array,  # [N]
+    tokens: jax.Array,  # [N]
+    draft: jax.Array,  # [N, V] the distribution each node's children were drawn from
+    target: jax.Array,  # [N, V] the target's distribution at each node (one-hot when greedy)
+    key: jax.Array,
+) -> Acceptance:
+    """``accept_rejection`` for one request: from the root, the siblings are tried in index order (a scan over
+    the children), the accepted one becomes the current node, until none is accepted and the bonus is drawn."""
+    n = parents.shape[-1]
     coins = jax.random.uniform(jax.random.fold_in(key, 0), (n, n))  # [step, child]
     bonus_keys = jax.random.split(jax.random.fold_in(key, 1), n)
 

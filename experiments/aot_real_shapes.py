@@ -1,8 +1,9 @@
 """Compiles the whole dominotree generation (prefill + the while loop, the chip's Pallas kernels) at real model
 sizes for real chips on this CPU, with abstract params (no weights), through ``dtree_jax.aot.compile_for``: Qwen3-8B
-+ its Domino drafter, Qwen3.6-27B (hybrid, with the tree-GDN kernel) + its Domino drafter, Qwen3-Next-80B-A3B (MoE)
-+ a Domino drafter of the same recipe (none is released), each on the smallest TPU slice and GPU count that hold
-it, and the 8B on one v5e chip, which does not (the TPU compiler refuses it; the row says so).
++ its Domino drafter, Qwen3.6-27B (hybrid, with the tree-GDN kernel) + its Domino drafter, the MoE targets
+Qwen3-Next-80B-A3B, Qwen3-30B-A3B (``qwen3_moe``) and Qwen3.6-35B-A3B (``qwen3_5_moe``) + a Domino drafter of
+the same recipe at their width, each on the smallest TPU slice and GPU count that hold it, and the 8B on one
+v5e chip, which does not (the TPU compiler refuses it; the row says so).
 
 Records per configuration: trace, lower and compile seconds, the kernel calls, ``compiled.memory_analysis()`` per
 device, whether it fits and the compiler's one-line refusal when it does not.  Results:
@@ -35,12 +36,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dtree_jax import aot, api  # noqa: E402
-from dtree_jax.models import drafter, qwen3, qwen3_5  # noqa: E402
+from dtree_jax.models import decoder, drafter, qwen3_5  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "aot_real_shapes.json"
 GIB = 2**30
 ROWS = ("qwen3-8b@v5e-1", "qwen3-8b@v5e-4", "qwen3-8b@v6e-4", "qwen3-8b@h200", "qwen3.6-27b@v5e-8",
-        "qwen3.6-27b@h200", "qwen3-next-80b@v5e-16", "qwen3-next-80b@h200-2")
+        "qwen3.6-27b@h200", "qwen3-next-80b@v5e-16", "qwen3-next-80b@h200-2", "qwen3-30b-a3b@v5e-8",
+        "qwen3-30b-a3b@h200", "qwen3.6-35b-a3b@v5e-8", "qwen3.6-35b-a3b@h200")
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -59,6 +61,19 @@ QWEN3_NEXT_80B = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=20
                       norm_topk_prob=True, decoder_sparse_step=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
                       partial_rotary_factor=0.25, rope_theta=1e7, max_position_embeddings=262144)
 
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
+                     tie_word_embeddings=False, max_position_embeddings=40960)
+QWEN36_35B_A3B = dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                      num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                      linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=256, num_experts_per_tok=8,
+                      moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, max_position_embeddings=262144,
+                      rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+
 
 def domino_config(hidden, heads, kv_heads, head_dim, intermediate, vocab, taps, target_layers, mask_token, theta):
     """A Domino drafter config.json in the released recipe (5 Qwen3 layers, block 16, GRU 1024, emb 256)."""
@@ -73,13 +88,19 @@ def domino_config(hidden, heads, kv_heads, head_dim, intermediate, vocab, taps, 
 
 MODELS = {
     # name: (target module, target config, drafter config, what the drafter is)
-    "qwen3-8b": (qwen3, QWEN3_8B, domino_config(4096, 32, 8, 128, 12288, 151936, [1, 9, 17, 25, 33], 36, 151669,
+    "qwen3-8b": (decoder, QWEN3_8B, domino_config(4096, 32, 8, 128, 12288, 151936, [1, 9, 17, 25, 33], 36, 151669,
                                                 1e6), "the released Qwen3-8B Domino config"),
     "qwen3.6-27b": (qwen3_5, QWEN36_27B, domino_config(5120, 32, 8, 128, 17408, 248320, [1, 16, 31, 46, 61], 64,
                                                        248070, 1e7), "the released Qwen3.6-27B Domino config"),
     "qwen3-next-80b": (qwen3_5, QWEN3_NEXT_80B, domino_config(2048, 16, 4, 128, 6144, 151936, [1, 12, 24, 35, 46],
                                                               48, 151669, 1e7),
                        "hypothetical: the same recipe at the 80B's width (no drafter is released)"),
+    "qwen3-30b-a3b": (decoder, QWEN3_30B_A3B, domino_config(2048, 32, 4, 128, 6144, 151936, [1, 12, 23, 34, 45],
+                                                            48, 151669, 1e6),
+                      "the Domino recipe at the 30B-A3B's width (DFlash's Qwen3-Coder-30B-A3B drafter's shape)"),
+    "qwen3.6-35b-a3b": (qwen3_5, QWEN36_35B_A3B, domino_config(2048, 16, 2, 128, 6144, 248320, [1, 10, 19, 28, 37],
+                                                               40, 248070, 1e7),
+                        "the Domino recipe at the 35B-A3B's width"),
 }
 
 
@@ -94,7 +115,7 @@ def abstract_models(name: str, dtype=jnp.bfloat16, layers: int | None = None):
                          dflash_config=dict(dcfg_dict["dflash_config"], target_layer_ids=sorted(set(taps))))
     tcfg = module.config_from_hf(tcfg_dict, dtype=dtype)
     dcfg = drafter.config_from_hf(dcfg_dict, dtype=dtype)
-    kind = "qwen3" if module is qwen3 else "qwen3_5"
+    kind = tcfg_dict["model_type"] if module is decoder else "qwen3_5"
     return (api.Model(kind, tcfg, module.abstract_params(tcfg, dtype), name),
             api.Model("drafter", dcfg, drafter.abstract_params(dcfg, dtype), name + "-domino"))
 

@@ -16,7 +16,7 @@ Sections, each recorded in the JSON (``--out``; default ``$OUT/gpu_check.json`` 
      (``reference_tree_attention``) vs ``jax.nn.dot_product_attention`` with an explicit mask, over
      prefix 1K/8K/32K x N 16/32/64 x batch 1/8, with achieved HBM bandwidth (K/V bytes of lens + N rows);
   5. hooks: ``bench_verify_vs_ar`` (verify forward vs AR step) and ``bench_frontier_build`` take callables;
-     they are filled from ``dtree_jax.models.qwen3`` and ``dtree_jax.builders`` when those import, else skipped
+     they are filled from ``dtree_jax.models.decoder`` and ``dtree_jax.builders`` when those import, else skipped
      with a printed note.
 A time budget (``--budget-s``) skips what would not fit; the short table is printed last.
 """
@@ -208,19 +208,19 @@ def bench_frontier_build(build_step: Callable[[], Any]) -> dict:
 
 
 def qwen3_steps(cfg: dict, impl: str, prefix: int, nodes: int, batch: int):
-    """Filler for ``bench_verify_vs_ar`` from ``dtree_jax.models.qwen3`` (random bf16 weights; with
+    """Filler for ``bench_verify_vs_ar`` from ``dtree_jax.models.decoder`` (random bf16 weights; with
     ``impl="pallas"`` the model picks the kernel, in interpret mode on CPU)."""
-    from dtree_jax.models import qwen3
+    from dtree_jax.models import decoder
 
-    mcfg = qwen3.Qwen3Config(**cfg, dtype="bfloat16", attention_impl=impl)
-    abstract = qwen3.abstract_params(mcfg, jnp.bfloat16)
+    mcfg = decoder.DecoderConfig(**cfg, dtype="bfloat16", attention_impl=impl)
+    abstract = decoder.abstract_params(mcfg, jnp.bfloat16)
     leaves, treedef = jax.tree.flatten(abstract)
     init = jax.jit(lambda key, shape: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16),
                    static_argnums=1)
     params = jax.tree.unflatten(treedef, [init(jax.random.key(i), tuple(x.shape)) for i, x in enumerate(leaves)])
-    cache = qwen3.init_cache(mcfg, batch, -(-(prefix + nodes) // 512) * 512)
+    cache = decoder.init_cache(mcfg, batch, -(-(prefix + nodes) // 512) * 512)
     lens = jnp.full((batch,), prefix, jnp.int32)
-    fwd = jax.jit(qwen3.forward, static_argnums=(1,), donate_argnums=(4,))
+    fwd = jax.jit(decoder.forward, static_argnums=(1,), donate_argnums=(4,))
     state = {"cache": cache}
 
     def step(t, mask):

@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtree_jax import train  # noqa: E402
-from dtree_jax.models import drafter, qwen3  # noqa: E402
+from dtree_jax.models import decoder, drafter  # noqa: E402
 
 TARGET_CONFIG = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=train.VOCAB_SIZE, hidden_size=256,
@@ -63,16 +63,16 @@ def write_log(name: str, payload: dict, results: pathlib.Path) -> None:
 
 
 def train_target(out: pathlib.Path, steps: int, batch: int, length: int, lr: float, seed: int, results: pathlib.Path):
-    cfg = qwen3.config_from_hf(TARGET_CONFIG, dtype="float32")
-    params = train.init_params(qwen3, cfg, jax.random.key(seed))
+    cfg = decoder.config_from_hf(TARGET_CONFIG, dtype="float32")
+    params = train.init_params(decoder, cfg, jax.random.key(seed))
     stream = train.corpus("train")
     heldout = train.corpus("heldout")
-    loss = lambda p, b, s: train.target_loss(qwen3, p, cfg, b)
+    loss = lambda p, b, s: train.target_loss(decoder, p, cfg, b)
     params, log = train.fit(params, loss, train.windows(stream, batch, length + 1, seed), steps=steps, lr=lr,
                             desc="target")
     eval_loss = float(np.mean([jax.jit(loss)(params, b, 0) for b, _ in
                                zip(train.windows(heldout, batch, length + 1, seed + 1), range(8))]))
-    train.save_hf(out, TARGET_CONFIG, train.hf_tensors(qwen3, cfg, params), train.tokenizer_json())
+    train.save_hf(out, TARGET_CONFIG, train.hf_tensors(decoder, cfg, params), train.tokenizer_json())
     write_log("target", dict(steps=log.steps, loss=log.losses, seconds=log.seconds, heldout_loss=eval_loss,
                              batch=batch, length=length, lr=lr, seed=seed, machine=machine()), results)
     print(f"target: {steps} steps in {log.seconds:.0f}s, final train loss {log.losses[-1]:.3f}, "
@@ -100,7 +100,7 @@ def train_drafter(target_dir: pathlib.Path, out: pathlib.Path, steps: int, head_
         # lambda_base curriculum: 1.0 (backbone only) for the first stage, then linear decay to 0.3.
         frac = jnp.clip((step - steps) / max(head_steps, 1), 0.0, 1.0)
         lam = jnp.where(step < steps, 1.0, 1.0 - 0.7 * frac)
-        return train.drafter_loss(p, dcfg, qwen3, tparams, tcfg, b[0], b[1], lam)
+        return train.drafter_loss(p, dcfg, decoder, tparams, tcfg, b[0], b[1], lam)
 
     dparams, log = train.fit(dparams, loss, batches(), steps=total, lr=lr, desc="drafter")
     train.save_hf(out, dcfg_dict, train.hf_tensors(drafter, dcfg, dparams))

@@ -417,6 +417,30 @@ def block_sizes(backend: str, head_dim: int) -> tuple[int, int]:
     return BLOCK_SIZES[backend, next((d for d in sizes if d >= head_dim), sizes[-1])]
 
 
+def _check_options(backend: str, *, window, interpret, block_kv, block_q, num_splits) -> None:
+    """ValueError for a malformed keyword of ``tree_attention``."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if not isinstance(interpret, (bool, pltpu.InterpretParams)):
+        raise ValueError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
+    if backend == "gpu" and isinstance(interpret, pltpu.InterpretParams):
+        raise ValueError("InterpretParams simulates a TPU; use interpret=True for the GPU kernel")
+    for name, val in (("block_kv", block_kv), ("block_q", block_q), ("num_splits", num_splits)):
+        if val is not None and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+
+
+def _tiles(backend: str, *, rows: int, s: int, d: int, hkv: int, block_kv: int | None, block_q: int | None):
+    """``(block_kv, block_q, padded D)`` for ``rows`` grouped query rows over an ``s``-row cache: the given
+    blocks or ``block_sizes``' defaults; D padded to a multiple of 128 on TPU when Hkv > 1 (lane-aligned
+    per-head slices of the flattened cache), to a power of two (>= 16) on GPU."""
+    max_kv, max_q = block_sizes(backend, d)
+    if backend == "tpu":
+        dp = d if hkv == 1 or d % 128 == 0 else _round_up(d, 128)
+        return block_kv or min(max_kv, _round_up(s, 128)), block_q or min(_round_up(rows, 16), max_q), dp
+    return block_kv or max_kv, block_q or min(max(16, _next_pow2(rows)), max_q), max(16, _next_pow2(d))
+
+
 def tree_attention(
     q: jax.Array,  # [B, T, H, D] queries, RoPE applied
     k: jax.Array,  # [B, S, Hkv, D] key cache (new tokens written at [lens, lens + T))
@@ -454,20 +478,13 @@ def tree_attention(
     fp16), q of any floating dtype is cast to it, the output has q's dtype; anything else raises.
     """
     _check_inputs(q, k, v, lens, local_mask)
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
     backend = _pick_backend(backend, interpret)
+    _check_options(backend, window=window, interpret=interpret, block_kv=block_kv, block_q=block_q,
+                   num_splits=num_splits)
     if backend == "xla":
         return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
     out_dtype, dtype = q.dtype, _kernel_dtype(q, k, v, backend)
     q = q.astype(dtype)
-    if not isinstance(interpret, (bool, pltpu.InterpretParams)):
-        raise ValueError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
-    if backend == "gpu" and isinstance(interpret, pltpu.InterpretParams):
-        raise ValueError("InterpretParams simulates a TPU; use interpret=True for the GPU kernel")
-    for name, val in (("block_kv", block_kv), ("block_q", block_q), ("num_splits", num_splits)):
-        if val is not None and (not isinstance(val, int) or val < 1):
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
 
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
@@ -476,16 +493,7 @@ def tree_attention(
     bits = lax.bitcast_convert_type(ancestor_bits(local_mask.astype(bool)), jnp.int32)  # [B, T, W]
     bits = jnp.repeat(bits, g, axis=1)  # [B, T*g, W]: row t*g+j belongs to query t
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-
-    max_kv, max_q = block_sizes(backend, d)
-    if backend == "tpu":
-        block_kv = block_kv or min(max_kv, _round_up(s, 128))
-        block_q = block_q or min(_round_up(rows, 16), max_q)
-        dp = d if hkv == 1 or d % 128 == 0 else _round_up(d, 128)
-    else:
-        block_kv = block_kv or max_kv
-        block_q = block_q or min(max(16, _next_pow2(rows)), max_q)
-        dp = max(16, _next_pow2(d))
+    block_kv, block_q, dp = _tiles(backend, rows=rows, s=s, d=d, hkv=hkv, block_kv=block_kv, block_q=block_q)
     r, sp = _round_up(rows, block_q), _round_up(s, block_kv)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, r - rows), (0, dp - d)))
     bits = jnp.pad(bits, ((0, 0), (0, r - rows), (0, 0)))

@@ -5,6 +5,7 @@ randomised (so ``w`` vs ``1 + w`` and missing-norm mistakes show)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +51,33 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_fre
                    original_max_position_embeddings=16)  # short: most frequencies are scaled or smoothed
 
 
+# Qwen3-MoE: layer 1 dense (mlp_only_layers), the others 8 experts, top 3, renormalised
+TINY_QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, decoder_sparse_step=1,
+                      mlp_only_layers=[1], norm_topk_prob=True)
+
+
 def tiny_dense(model_type: str, tie: bool, seed: int = 0, llama3_rope: bool = False):
     """``(model, config_dict)``: a tiny HF ``LlamaForCausalLM`` (``model_type="llama"``, optionally with
-    Llama 3.1 RoPE scaling) or ``Qwen2ForCausalLM`` (``"qwen2"``), eager, fp32, eval mode, with every norm
-    and bias randomised (HF initialises biases to zero)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    Llama 3.1 RoPE scaling), ``Qwen2ForCausalLM`` (``"qwen2"``) or ``Qwen3MoeForCausalLM`` (``"qwen3_moe"``,
+    ``TINY_QWEN3_MOE``), eager, fp32, eval mode, with every norm and bias randomised (HF initialises biases to
+    zero) and the MoE routers drawn N(0, 1) (so routing has clear winners)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
-        model_type
-    ]
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }[model_type]
     fields = dict(TINY_TARGET, tie_word_embeddings=tie, attn_implementation="eager")
+    if model_type == "qwen3_moe":
+        fields.update(TINY_QWEN3_MOE)
     if llama3_rope:
         fields["rope_parameters"] = dict(LLAMA3_ROPE, rope_theta=fields.pop("rope_theta"))
     torch.manual_seed(seed)
@@ -70,6 +88,8 @@ def tiny_dense(model_type: str, tie: bool, seed: int = 0, llama3_rope: bool = Fa
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
     return model, model.config.to_dict()
 
 
@@ -112,11 +132,46 @@ def tiny_domino(shift_label: bool, seed: int = 0):
     return domino, dflash, d
 
 
+def checkpoint_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's tensors under checkpoint keys (fp32 numpy): HF's fused in-memory MoE experts
+    (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) split per expert as
+    ``save_pretrained`` writes them."""
+    out = {}
+    for key, t in model.state_dict().items():
+        x = t.detach().float().numpy()
+        if key.endswith("experts.gate_up_proj"):
+            base, half = key.removesuffix("gate_up_proj"), x.shape[1] // 2
+            for e in range(x.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = x[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = x[e, half:]
+        elif key.endswith("experts.down_proj"):
+            for e in range(x.shape[0]):
+                out[f"{key.removesuffix('down_proj')}{e}.down_proj.weight"] = x[e]
+        else:
+            out[key] = x
+    return out
+
+
+def save_pair(root, hf):
+    """The HF target ``hf`` saved in ``root/target`` (``save_pretrained``) and a random Domino drafter (seed 6)
+    declared for its layer count in ``root/drafter``, both in HF layout; returns ``hf``."""
+    import json
+
+    hf.save_pretrained(root / "target")
+    dom, _, _ = tiny_domino(shift_label=False, seed=6)
+    dom.save_pretrained(root / "drafter")
+    cfg = json.loads((root / "drafter" / "config.json").read_text())
+    cfg["num_target_layers"] = hf.config.num_hidden_layers
+    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
 class StateGetter:
-    """``get(key) -> np.ndarray`` (fp32) over a torch state dict, recording every key read."""
+    """``get(key) -> np.ndarray`` (fp32) over a torch model's checkpoint tensors (``checkpoint_state``),
+    recording every key read."""
 
     def __init__(self, module: torch.nn.Module):
-        self.state = {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
+        self.state = checkpoint_state(module)
         self.reads: list[str] = []
 
     def __call__(self, key: str) -> np.ndarray:
@@ -152,7 +207,8 @@ def check_hf_contract(module, cfg, dtype) -> int:
     assert jax.tree.structure(built) == jax.tree.structure(abstract)
     for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(abstract)):
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
-    assert len(jax.tree.leaves(abstract)) == len(shapes)
+    stacked = {re.sub(r"\.experts\.\d+\.", ".experts.*.", k) for k in shapes}  # an MoE layer stacks its experts
+    assert len(jax.tree.leaves(abstract)) == len(stacked)
     return len(shapes)
 
 
@@ -281,19 +337,20 @@ DENSE = {  # dense test cases: name -> (model_type, tie_word_embeddings, Llama 3
     "llama": ("llama", True, False),
     "llama3-rope": ("llama", False, True),
     "qwen2": ("qwen2", True, False),
+    "qwen3-moe": ("qwen3_moe", False, False),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def dense_case(name: str):
     """``(HF model, our fp32 cfg, our fp32 params, keys read)`` for the ``DENSE`` case ``name``."""
-    from dtree_jax.models import qwen3
+    from dtree_jax.models import decoder
 
     model_type, tie, llama3 = DENSE[name]
     if model_type == "qwen3":
         model, d = tiny_qwen3(tie, seed=3 if tie else 4)
     else:
         model, d = tiny_dense(model_type, tie, seed=7 + len(name), llama3_rope=llama3)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
+    cfg = decoder.config_from_hf(d, dtype="float32")
     getter = StateGetter(model)
-    return model, cfg, qwen3.params_from_hf(cfg, getter, jnp.float32), getter.reads
+    return model, cfg, decoder.params_from_hf(cfg, getter, jnp.float32), getter.reads

@@ -1,11 +1,13 @@
-"""Tiny random HF hybrid GDN models (transformers ``Qwen3_5ForCausalLM`` and ``Qwen3NextForCausalLM``), fp32
-on CPU, with every norm weight, ``A_log``, ``dt_bias`` and conv weight randomised (HF initialises zero-centred
+"""Tiny random HF hybrid GDN models (transformers ``Qwen3_5ForCausalLM``, ``Qwen3NextForCausalLM`` and
+``Qwen3_5MoeForCausalLM``), fp32 on CPU, with every norm weight, ``A_log``, ``dt_bias`` and conv weight randomised (HF initialises zero-centred
 norms to 0 and gated norms to 1, which would hide ``w`` vs ``1 + w`` mistakes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from tests.oracles import checkpoint_state  # noqa: F401  (shared with the dense oracles)
 
 TINY_HYBRID = dict(
     vocab_size=128,
@@ -32,7 +34,7 @@ TINY_MOE = dict(
 
 def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
     """Norm weights U(-0.5, 0.5) (zero-centred) or U(0.5, 1.5) (gated norm), ``A_log`` U(-1, 1),
-    ``dt_bias`` U(-1, 1), conv weights N(0, 0.3^2); reproducibly."""
+    ``dt_bias`` U(-1, 1), conv weights N(0, 0.3^2), MoE routers N(0, 1); reproducibly."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,12 +47,14 @@ def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(2 * u - 1)
             elif name.endswith("conv1d.weight"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # MoE routers: clear winners
+                p.copy_(torch.randn(p.shape, generator=gen))
 
 
 def tiny_hybrid(kind: str, seed: int = 0, tie: bool = False, **overrides):
     """``(model, config_dict)``: a tiny HF ``Qwen3_5ForCausalLM`` (``kind="qwen3_5"``, via
-    ``Qwen3_5TextConfig``) or ``Qwen3NextForCausalLM`` (``kind="qwen3_next"``, MoE in every layer), eager
-    attention, fp32, eval mode."""
+    ``Qwen3_5TextConfig``), ``Qwen3NextForCausalLM`` (``kind="qwen3_next"``, MoE in every layer) or
+    ``Qwen3_5MoeForCausalLM`` (``kind="qwen3_5_moe"``, MoE in every layer), eager attention, fp32, eval mode."""
     fields = dict(TINY_HYBRID, tie_word_embeddings=tie, **overrides)
     torch.manual_seed(seed)
     if kind == "qwen3_5":
@@ -63,32 +67,18 @@ def tiny_hybrid(kind: str, seed: int = 0, tie: bool = False, **overrides):
 
         cfg = Qwen3NextConfig(**dict(TINY_MOE, **fields))
         cls = Qwen3NextForCausalLM
+    elif kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        cfg = Qwen3_5MoeTextConfig(**dict(TINY_MOE, **fields))
+        cls = Qwen3_5MoeForCausalLM
     else:
         raise ValueError(f"unknown kind {kind!r}")
     cfg._attn_implementation = "eager"
     model = cls(cfg).eval()
     randomize_hybrid(model, seed + 1)
     return model, cfg.to_dict()
-
-
-def checkpoint_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's tensors under checkpoint keys (fp32 numpy): HF's fused in-memory MoE experts
-    (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) split per expert as
-    ``save_pretrained`` writes them."""
-    out = {}
-    for key, t in model.state_dict().items():
-        x = t.detach().float().numpy()
-        if key.endswith("experts.gate_up_proj"):
-            base, half = key.removesuffix("gate_up_proj"), x.shape[1] // 2
-            for e in range(x.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = x[e, :half]
-                out[f"{base}{e}.up_proj.weight"] = x[e, half:]
-        elif key.endswith("experts.down_proj"):
-            for e in range(x.shape[0]):
-                out[f"{key.removesuffix('down_proj')}{e}.down_proj.weight"] = x[e]
-        else:
-            out[key] = x
-    return out
 
 
 def hf_run(model, ids, cache=None):
@@ -117,18 +107,10 @@ def hf_gdn_states(cache, layer: int) -> tuple[np.ndarray, np.ndarray]:
     return np.swapaxes(conv[:, :, 1:], 1, 2), lay.recurrent_states[0].detach().float().numpy()
 
 
-def save_hybrid_pair(root):
-    """A tiny Qwen3.5 target (seed 5) in ``root/target`` and a random Domino drafter declared for it (seed 6) in
-    ``root/drafter``, both in HF layout; returns the HF target."""
-    import json
+def save_hybrid_pair(root, kind: str = "qwen3_5"):
+    """A tiny hybrid target of ``kind`` (seed 5) in ``root/target`` and a random Domino drafter declared for it
+    (``tests.oracles.save_pair``); returns the HF target."""
+    from tests.oracles import save_pair
 
-    from tests.oracles import tiny_domino
-
-    hf, _ = tiny_hybrid("qwen3_5", seed=5)
-    hf.save_pretrained(root / "target")
-    dom, _, _ = tiny_domino(shift_label=False, seed=6)
-    dom.save_pretrained(root / "drafter")
-    cfg = json.loads((root / "drafter" / "config.json").read_text())
-    cfg["num_target_layers"] = hf.config.num_hidden_layers
-    (root / "drafter" / "config.json").write_text(json.dumps(cfg))
-    return hf
+    hf, _ = tiny_hybrid(kind, seed=5)
+    return save_pair(root, hf)

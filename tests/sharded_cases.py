@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from dtree_jax import api, cli, convert, loop, running  # noqa: E402
 from dtree_jax.models import qwen3_5, sharding  # noqa: E402
+from tests.oracles import save_pair  # noqa: E402
 from tests.oracles_hybrid import save_hybrid_pair  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41], [12, 13, 14], [60, 61, 62, 63, 64]]
@@ -78,6 +79,32 @@ def test_sharded_hybrid_equals_one_device(hybrid, method, mesh):
     one = _run(*hybrid, method)
     split = _run(*hybrid, method, mesh)
     assert split.tokens == one.tokens
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def moe_pair(request, tmp_path_factory):
+    from tests.test_moe import tiny_hf
+
+    root = tmp_path_factory.mktemp(request.param)
+    save_pair(root, tiny_hf(request.param))
+    return api.load_model(root / "target"), api.load_model(root / "drafter")
+
+
+@pytest.mark.parametrize("method", ["ar", "dominotree"])
+def test_sharded_moe_equals_one_device_with_the_experts_split(moe_pair, method):
+    """Qwen3-MoE and Qwen3.5-MoE on data=2,model=4: the same tokens as one device, and every device holds a
+    quarter of every expert (the intermediate dimension split over ``model``; the router replicated)."""
+    target, drafter = moe_pair
+    assert _run(target, drafter, method, "data=2,model=4").tokens == _run(target, drafter, method).tokens
+    placed = api.load_model(target, "data=2,model=4").params
+    experts = [x.moe if hasattr(x, "moe") else x.mlp for x in placed.layers]
+    experts = [e for e in experts if e is not None and hasattr(e, "router")]
+    assert experts
+    for e in experts:
+        for w in (e.w_gate, e.w_up, e.w_down):
+            per_device = {s.data.nbytes for s in w.addressable_shards}
+            assert per_device == {w.nbytes // 4}, (w.shape, w.sharding.spec)
+        assert e.router.sharding.spec == P()
 
 
 def test_sharded_hybrid_sampling_equals_one_device(hybrid):

@@ -473,7 +473,7 @@ def test_cli_end_to_end(tmp_path, hf_dirs, capsys):
 def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
     import torch
 
-    from dtree_jax.models import qwen3
+    from dtree_jax.models import decoder
 
     model, _ = oracles.tiny_qwen3(tie, seed=5)
     single, sharded, binary = tmp_path / "single", tmp_path / "sharded", tmp_path / "bin"
@@ -483,15 +483,15 @@ def test_real_qwen3_checkpoints(tmp_path, tie, real_models):
     binary.mkdir()
     shutil.copy(single / "config.json", binary / "config.json")
     torch.save(model.state_dict(), binary / "pytorch_model.bin")  # tied: also stores lm_head.weight
-    cfg = qwen3.config_from_hf(cv.read_config(single), dtype="float32")
-    want = qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
+    cfg = decoder.config_from_hf(cv.read_config(single), dtype="float32")
+    want = decoder.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
     for path in (single, sharded, binary):
         kind, got_cfg, params = cv.load_hf(path, "float32")
         assert (kind, got_cfg) == ("qwen3", cfg)
         _assert_same(params, want)
     cv.convert(sharded, out_dir=tmp_path / "out", progress=False)
     kind, got_cfg, restored = cv.load_converted(tmp_path / "out" / "target")
-    assert (kind, got_cfg) == ("qwen3", dataclasses.replace(cfg, dtype="bfloat16")) and isinstance(restored, qwen3.Qwen3Params)
+    assert (kind, got_cfg) == ("qwen3", dataclasses.replace(cfg, dtype="bfloat16")) and isinstance(restored, decoder.DecoderParams)
     _assert_same(restored, cv.load_hf(single, "bfloat16")[2])
 
 

@@ -14,7 +14,7 @@ import torch
 from dtree_jax import api, loop, running
 from dtree_jax.cost import auto_budget
 from dtree_jax.api import Model, generate
-from dtree_jax.models import drafter, qwen3
+from dtree_jax.models import decoder, drafter
 from tests.oracles import StateGetter, oracle_draft, tiny_domino, tiny_qwen3
 
 METHODS = ("dflash", "domino", "ddtree", "dominotree", "condstatic")
@@ -24,8 +24,8 @@ PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
 @pytest.fixture(scope="module")
 def models():
     hf, d = tiny_qwen3(tie=False, seed=3)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    target = Model("qwen3", cfg, qwen3.params_from_hf(cfg, StateGetter(hf), "float32"))
+    cfg = decoder.config_from_hf(d, dtype="float32")
+    target = Model("qwen3", cfg, decoder.params_from_hf(cfg, StateGetter(hf), "float32"))
     dom, _, dd = tiny_domino(shift_label=True, seed=4)
     dcfg = drafter.config_from_hf(dd, dtype="float32")
     draft = Model("drafter", dcfg, drafter.params_from_hf(dcfg, StateGetter(dom), "float32"))
@@ -170,8 +170,8 @@ def _exact_second_token(target: Model, prompt: list[int], temperature: float) ->
     v = target.cfg.vocab_size
     ids = np.array([prompt + [t] for t in range(v)], np.int32)
     b, t = ids.shape
-    cache = qwen3.init_cache(target.cfg, b, t)
-    logits, _, _ = qwen3.forward(target.params, target.cfg, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(t), (b, t)),
+    cache = decoder.init_cache(target.cfg, b, t)
+    logits, _, _ = decoder.forward(target.params, target.cfg, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(t), (b, t)),
                                  cache, jnp.zeros((b,), jnp.int32), jnp.broadcast_to(jnp.tri(t, dtype=bool), (b, t, t)))
     logits = np.asarray(logits, np.float64) / temperature
     p = np.exp(logits - logits.max(-1, keepdims=True))

@@ -15,7 +15,7 @@ import pytest
 
 from dtree_jax import distill, train
 from dtree_jax.api import METHODS, Model, generate
-from dtree_jax.models import drafter, qwen3
+from dtree_jax.models import decoder, drafter
 from tests import oracles
 
 TAPS = (1, 4)  # includes the last layer (post-final-norm)
@@ -25,8 +25,8 @@ PROMPT_TOKENS, MAX_NEW, SHARD = 12, 10, 4
 @functools.lru_cache(maxsize=None)
 def _target():
     model, d = oracles.tiny_dense("llama", tie=True, seed=21)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    params = qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
+    cfg = decoder.config_from_hf(d, dtype="float32")
+    params = decoder.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
     return d, Model("llama", cfg, params, None, (5,))
 
 
@@ -62,12 +62,12 @@ def test_shards_hold_the_targets_responses_and_taps(data_dir):
     assert len(data) == len(prompts) and data.tokens.shape[1] == PROMPT_TOKENS + MAX_NEW
     ar = generate(target, prompts, "ar", max_new_tokens=MAX_NEW, prompt_bucket=PROMPT_TOKENS)
     b, t = data.tokens.shape
-    logits, feats, _ = qwen3.forward(
+    logits, feats, _ = decoder.forward(
         target.params,
         target.cfg,
         jnp.asarray(data.tokens),
         jnp.tile(jnp.arange(t), (b, 1)),
-        qwen3.init_cache(target.cfg, b, t),
+        decoder.init_cache(target.cfg, b, t),
         jnp.zeros(b, jnp.int32),
         jnp.tile(jnp.tri(t, dtype=bool), (b, 1, 1)),
         TAPS,
@@ -136,10 +136,10 @@ def test_candidate_logits_are_the_full_heads_at_the_candidates():
     path = jnp.asarray(rng.integers(0, 128, (5, k)), jnp.int32)
     own = jnp.asarray(rng.integers(0, 128, (5, k, 7)), jnp.int32)
     shared = jnp.asarray(rng.integers(0, 128, 4), jnp.int32)
-    base, final = distill.candidate_logits(dparams, dcfg, qwen3, target.params, target.cfg, ph, path, own, shared)
+    base, final = distill.candidate_logits(dparams, dcfg, decoder, target.params, target.cfg, ph, path, own, shared)
     cand = jnp.concatenate([own, jnp.broadcast_to(shared, (5, k, 4))], -1)
-    full_final = drafter.path_logits(dparams, dcfg, qwen3, target.params, target.cfg, ph, path)
-    full_base = qwen3.lm_head(target.params, target.cfg, ph)
+    full_final = drafter.path_logits(dparams, dcfg, decoder, target.params, target.cfg, ph, path)
+    full_base = decoder.lm_head(target.params, target.cfg, ph)
     np.testing.assert_allclose(final, jnp.take_along_axis(full_final, cand, -1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(base, jnp.take_along_axis(full_base, cand, -1), rtol=1e-5, atol=1e-5)
     assert not np.allclose(final[:, 1:], base[:, 1:])  # the head corrects rows past the pure prefix
@@ -151,7 +151,7 @@ def _fit(data, ckpt, dcfg, dparams, steps, stop_at=None, meta=None):
 
     def loss(p, b, step):
         return distill.distill_loss(
-            p, dcfg, qwen3, target.params, target.cfg, b, distill.lambda_base(step, steps // 2, steps // 2)
+            p, dcfg, decoder, target.params, target.cfg, b, distill.lambda_base(step, steps // 2, steps // 2)
         )
 
     def batch(step):
@@ -217,7 +217,7 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
 
     d, target = _target()
     tdir = tmp_path / "target"
-    train.save_hf(tdir, d, train.hf_tensors(qwen3, target.cfg, target.params))
+    train.save_hf(tdir, d, train.hf_tensors(decoder, target.cfg, target.params))
     (tdir / "generation_config.json").write_text(json.dumps(dict(eos_token_id=5)))
     args = [
         "--target",
@@ -324,8 +324,8 @@ def test_full_vocabulary_objective_is_the_block_objective_on_greedy_data(data_di
         anchors=anchors,
         negatives=np.zeros((0,), np.int32),
     )
-    kd = jax.jit(lambda b: distill.distill_loss(dparams, dcfg, qwen3, target.params, target.cfg, b, 0.25)[0])
-    want = jax.jit(lambda t: train.drafter_loss(dparams, dcfg, qwen3, target.params, target.cfg, t, anchors, 0.25))
+    kd = jax.jit(lambda b: distill.distill_loss(dparams, dcfg, decoder, target.params, target.cfg, b, 0.25)[0])
+    want = jax.jit(lambda t: train.drafter_loss(dparams, dcfg, decoder, target.params, target.cfg, t, anchors, 0.25))
     np.testing.assert_allclose(kd(b), want(b["tokens"]), rtol=1e-2)
     sampled = kd(dict(b, negatives=np.arange(6, 40, dtype=np.int32)))
     assert abs(float(sampled) - float(want(b["tokens"]))) > 1e-3  # the sampled denominator is an estimate

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax.models import drafter, qwen3
+from dtree_jax.models import decoder, drafter
 from dtree_jax.models.config import DrafterConfig, default_target_layer_ids
 from tests import oracles
 
@@ -23,8 +23,8 @@ draft_block = jax.jit(drafter.draft_block, static_argnames=("cfg", "target"))
 @functools.lru_cache(maxsize=None)
 def _target():
     model, d = oracles.tiny_qwen3(tie=False, seed=7)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    return model, cfg, qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
+    cfg = decoder.config_from_hf(d, dtype="float32")
+    return model, cfg, decoder.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +107,7 @@ def test_block_matches_dflash_across_rounds():
         pos = ctx[:, None] + np.arange(width, dtype=np.int32)
         cache = append_context(params, cfg, cache, jnp.asarray(ctx), jnp.asarray(chunk), jnp.asarray(pos))
         ctx = ctx + valid
-        ph_full = draft_block(params, cfg, qwen3, tparams, cache, jnp.asarray(ctx), jnp.asarray(roots[r]))
+        ph_full = draft_block(params, cfg, decoder, tparams, cache, jnp.asarray(ctx), jnp.asarray(roots[r]))
         assert ph_full.shape == (b, cfg.block_size, h)
         for i in range(b):
             ref = _dflash_block(dflash, tmodel, feats[i], int(roots[r, i]), cfg, int(ctx[i]))
@@ -135,11 +135,11 @@ def test_path_logits_match_specforge_head(shift_label):
     ph = drafter.draft_rows(jnp.asarray(ph_full), cfg)
     k = cfg.num_draft_rows
     assert ph.shape == (b, k, tcfg.hidden_size)
-    out = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, ph, jnp.asarray(tokens[:, :k], jnp.int32))
+    out = drafter.path_logits(params, cfg, decoder, tparams, tcfg, ph, jnp.asarray(tokens[:, :k], jnp.int32))
     offset = 0 if shift_label else 1  # ph[d] = ph_full[d + offset]
     np.testing.assert_allclose(out, ref[:, offset:], **TOL)
     # rows before pure_draft_prefix_len are the base logits; later rows really are corrected
-    base = np.asarray(qwen3.lm_head(tparams, tcfg, ph))
+    base = np.asarray(decoder.lm_head(tparams, tcfg, ph))
     np.testing.assert_allclose(
         out[:, : cfg.pure_draft_prefix_len], base[:, : cfg.pure_draft_prefix_len], **TOL
     )
@@ -162,8 +162,8 @@ def test_plain_dflash_params_and_logits():
     ph = drafter.draft_rows(
         jnp.asarray(rng.standard_normal((1, cfg.block_size, tcfg.hidden_size)), jnp.float32), cfg
     )
-    out = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, ph, jnp.zeros((1, ph.shape[1]), jnp.int32))
-    np.testing.assert_allclose(out, qwen3.lm_head(tparams, tcfg, ph), rtol=1e-6)
+    out = drafter.path_logits(params, cfg, decoder, tparams, tcfg, ph, jnp.zeros((1, ph.shape[1]), jnp.int32))
+    np.testing.assert_allclose(out, decoder.lm_head(tparams, tcfg, ph), rtol=1e-6)
 
 
 def _real_drafter(hidden, inter, vocab, n_target, ids, mask, theta, shift, head=True):
@@ -303,10 +303,10 @@ def test_block_honours_causal_window_and_embedding_scale():
         cache = drafter.init_drafter_cache(cfg, 1, ctx + cfg.block_size)
         pos = jnp.arange(ctx, dtype=jnp.int32)[None]
         cache = append_context(params, cfg, cache, jnp.zeros((1,), jnp.int32), jnp.asarray(feats), pos)
-        ours = draft_block(params, cfg, qwen3, tparams, cache, jnp.asarray([ctx]), jnp.asarray([root]))[0]
+        ours = draft_block(params, cfg, decoder, tparams, cache, jnp.asarray([ctx]), jnp.asarray([root]))[0]
         np.testing.assert_allclose(ours, ref, **TOL, err_msg=name)
         if plain is None:
             base_cfg = drafter.config_from_hf(d0, dtype="float32")
-            plain = draft_block(drafter.params_from_hf(base_cfg, getter, jnp.float32), base_cfg, qwen3, tparams, cache,
+            plain = draft_block(drafter.params_from_hf(base_cfg, getter, jnp.float32), base_cfg, decoder, tparams, cache,
                                 jnp.asarray([ctx]), jnp.asarray([root]))[0]
         assert np.abs(np.asarray(ours) - np.asarray(plain)).max() > 1e-3, f"{name} changed nothing"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dtree_jax import api
-from dtree_jax.models import drafter, qwen3, qwen3_5
+from dtree_jax.models import decoder, drafter, qwen3_5
 from tests import oracles, oracles_hybrid
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 120, 11)]
@@ -31,8 +31,8 @@ SHIPPED = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
 @functools.lru_cache(maxsize=None)
 def _dense():
     model, d = oracles.tiny_qwen3(tie=False, seed=7)  # 5 layers
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    return model, ("qwen3", cfg, qwen3.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32))
+    cfg = decoder.config_from_hf(d, dtype="float32")
+    return model, ("qwen3", cfg, decoder.params_from_hf(cfg, oracles.StateGetter(model), jnp.float32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,11 +179,11 @@ def test_output_multiplier_and_softcap_match_the_dflash_package():
     cfg = drafter.config_from_hf(d, dtype="float32")
     params = drafter.params_from_hf(cfg, lambda k: state[k].detach().float().numpy(), jnp.float32)
     ph = np.random.default_rng(4).standard_normal((2, cfg.num_draft_rows, tcfg.hidden_size)).astype(np.float32)
-    ours = drafter.path_logits(params, cfg, qwen3, tparams, tcfg, jnp.asarray(ph), jnp.zeros(ph.shape[:2], jnp.int32))
+    ours = drafter.path_logits(params, cfg, decoder, tparams, tcfg, jnp.asarray(ph), jnp.zeros(ph.shape[:2], jnp.int32))
     with torch.no_grad():
         ref = reference.compute_logits(torch.from_numpy(ph), tmodel.lm_head).numpy()
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5)
-    plain = np.asarray(qwen3.lm_head(tparams, tcfg, jnp.asarray(ph)))
+    plain = np.asarray(decoder.lm_head(tparams, tcfg, jnp.asarray(ph)))
     trees = [
         builders.build_tree("ddtree", builders.DraftRound(ph=jnp.asarray(ph), base=jnp.asarray(base), root_state=None,
                                                     root=jnp.zeros((2,), jnp.int32)), budget=30, node_topk=8,
@@ -207,8 +207,8 @@ def _shipped_pair():
     domino, plain = DominoDraftModel(cfg).eval(), DFlashDraftModel(cfg).eval()
     domino.load_state_dict({k: v.float() for k, v in state.items()})
     plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    tcfg = qwen3.config_from_hf(json.loads((SHIPPED / "tiny-target" / "config.json").read_text()), dtype="float32")
-    target = api.Model("qwen3", tcfg, qwen3.params_from_hf(tcfg, lambda k: tmodel.state_dict()[k].numpy(),
+    tcfg = decoder.config_from_hf(json.loads((SHIPPED / "tiny-target" / "config.json").read_text()), dtype="float32")
+    target = api.Model("qwen3", tcfg, decoder.params_from_hf(tcfg, lambda k: tmodel.state_dict()[k].numpy(),
                                                                 jnp.float32))
     return tmodel, target, d, state, domino, plain
 

@@ -25,11 +25,11 @@ from dtree_jax import cli
 from dtree_jax import convert as cv
 from dtree_jax.api import load_model
 from dtree_jax.gguf import GGUFCheckpoint, smollm2_gguf
-from dtree_jax.models import qwen3
+from dtree_jax.models import decoder
 from dtree_jax.text import encode_prompts, load_tokenizer
 from tests import oracles
 
-forward = jax.jit(qwen3.forward, static_argnames=("cfg", "taps"))
+forward = jax.jit(decoder.forward, static_argnames=("cfg", "taps"))
 
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic GGUF files
@@ -181,7 +181,7 @@ def test_synthetic_gguf_matches_hf(arch, tie, tmp_path):
         cfg,
         jnp.asarray([ids], jnp.int32),
         jnp.arange(12, dtype=jnp.int32)[None],
-        qwen3.init_cache(cfg, 1, 16),
+        decoder.init_cache(cfg, 1, 16),
         jnp.zeros(1, jnp.int32),
         jnp.tril(jnp.ones((1, 12, 12), bool)),
     )
@@ -508,7 +508,7 @@ def test_smollm2_logits_match_transformers(smollm2):
         cfg,
         jnp.asarray(toks),
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (3, t)),
-        qwen3.init_cache(cfg, 3, t),
+        decoder.init_cache(cfg, 3, t),
         jnp.zeros(3, jnp.int32),
         jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (3, t, t)),
     )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtree_jax.models import qwen3
+from dtree_jax.models import decoder
 from dtree_jax.models.config import Llama3RoPE
 from dtree_jax.models.layers import rope_tables
 from tests import oracles
@@ -19,19 +19,19 @@ from tests import oracles
 def test_config_switches_and_refusals():
     base = dict(oracles.TINY_TARGET)
     llama, qwen2, qwen3_ = (
-        qwen3.config_from_hf(dict(base, model_type=t)) for t in ("llama", "qwen2", "qwen3")
+        decoder.config_from_hf(dict(base, model_type=t)) for t in ("llama", "qwen2", "qwen3")
     )
     assert (llama.qk_norm, llama.qkv_bias, llama.rope_scaling) == (False, False, None)
     assert (qwen2.qk_norm, qwen2.qkv_bias) == (False, True)
     assert (qwen3_.qk_norm, qwen3_.qkv_bias) == (True, False)
-    assert qwen3.config_from_hf(base).qk_norm  # no model_type: Qwen3 (the DFlash drafters' backbone)
+    assert decoder.config_from_hf(base).qk_norm  # no model_type: Qwen3 (the DFlash drafters' backbone)
     spec = {k: v for k, v in oracles.LLAMA3_ROPE.items() if k != "rope_type"}
     want = Llama3RoPE(**spec)
     theta = base.pop("rope_theta")
-    new = qwen3.config_from_hf(
+    new = decoder.config_from_hf(
         dict(base, model_type="llama", rope_parameters=dict(oracles.LLAMA3_ROPE, rope_theta=theta))
     )
-    hub = qwen3.config_from_hf(
+    hub = decoder.config_from_hf(
         dict(base, model_type="llama", rope_theta=theta, rope_scaling=dict(spec, type="llama3"))
     )
     assert new.rope_scaling == hub.rope_scaling == want and new.rope_theta == hub.rope_theta == theta
@@ -53,7 +53,7 @@ def test_config_switches_and_refusals():
         ),
     ]:
         with pytest.raises(ValueError, match=match):
-            qwen3.config_from_hf(dict(llama_d, **bad))
+            decoder.config_from_hf(dict(llama_d, **bad))
 
 
 def test_llama3_rope_tables_match_hf():

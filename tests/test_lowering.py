@@ -18,7 +18,7 @@ import pytest
 from dtree_jax import aot, api
 from dtree_jax.api import Model, trace_generation, with_kernels
 from dtree_jax.cli import SHIPPED_TINY, shipped
-from dtree_jax.models import drafter, kernels, qwen3, qwen3_5
+from dtree_jax.models import decoder, drafter, kernels, qwen3_5
 
 LOWERING = {"tpu": "tpu", "gpu": "cuda"}  # kernel platform -> lowering platform
 KIND = {"tpu": "mosaic", "gpu": "triton"}  # kernel platform -> kernel kind (aot.lowered_kernel_calls)
@@ -46,8 +46,8 @@ METHODS = ("ar", "dflash", "dominotree")
 
 def _models(target_kind: str, dtype: str) -> tuple[Model, Model]:
     if target_kind == "qwen3":
-        cfg = qwen3.config_from_hf(DENSE, dtype=dtype)
-        target = Model("qwen3", cfg, qwen3.abstract_params(cfg, dtype))
+        cfg = decoder.config_from_hf(DENSE, dtype=dtype)
+        target = Model("qwen3", cfg, decoder.abstract_params(cfg, dtype))
     else:
         cfg = qwen3_5.config_from_hf(HYBRID, dtype=dtype)
         target = Model("qwen3_5", cfg, qwen3_5.abstract_params(cfg, dtype))
@@ -107,7 +107,7 @@ def test_gdn_verify_takes_the_xla_path_on_gpu_on_purpose():
     impls = {p: dataclasses.replace(cfg, kernel_platform=p).gdn_impl for p in ("tpu", "gpu", "cpu")}
     assert impls == {"tpu": "mosaic", "gpu": "xla", "cpu": "interpret"}
     assert dataclasses.replace(cfg, attention_impl="xla", kernel_platform="tpu").gdn_impl == "xla"
-    dense = qwen3.config_from_hf(DENSE, attention_impl="pallas")
+    dense = decoder.config_from_hf(DENSE, attention_impl="pallas")
     attn = {p: kernels.attention_kwargs(dataclasses.replace(dense, kernel_platform=p)) for p in ("tpu", "gpu", "cpu")}
     assert attn == {"tpu": dict(backend="tpu", interpret=False), "gpu": dict(backend="gpu", interpret=False),
                     "cpu": dict(backend="tpu", interpret=True)}
@@ -119,7 +119,7 @@ def test_gdn_verify_takes_the_xla_path_on_gpu_on_purpose():
 
 def test_kernel_platform_none_is_the_runtime_platform(monkeypatch):
     """None resolves to the process's backend at trace time (CPU here: interpret mode), in one place."""
-    cfg = qwen3.config_from_hf(DENSE, attention_impl="pallas")
+    cfg = decoder.config_from_hf(DENSE, attention_impl="pallas")
     assert kernels.kernel_platform(cfg) == kernels.runtime_platform() == "cpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels.attention_kwargs(cfg) == dict(backend="gpu", interpret=False)

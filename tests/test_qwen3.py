@@ -1,4 +1,5 @@
-"""Qwen3 dense target vs HF transformers ``Qwen3ForCausalLM`` (eager, fp32) on tiny random configs."""
+"""The full-attention decoder (``models.decoder``) vs HF transformers (eager, fp32) on tiny random configs:
+Qwen3, Llama, Qwen2 and Qwen3-MoE (``oracles.DENSE``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtree_jax.models import qwen3
+from dtree_jax.models import decoder
 from dtree_jax.tree import ancestor_mask
 from tests import oracles
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 TAPS = (3, 0, 4, 2)  # out of order on purpose; 4 is the last layer (HF takes it after the final norm)
-forward = jax.jit(qwen3.forward, static_argnames=("cfg", "taps"))
+forward = jax.jit(decoder.forward, static_argnames=("cfg", "taps"))
 
 
 DENSE = oracles.DENSE  # the dense families share one model; each parity test runs on all of them
@@ -33,7 +34,7 @@ def _prefill(cfg, params, prompts, capacity):
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cache = qwen3.init_cache(cfg, b, capacity)
+    cache = decoder.init_cache(cfg, b, capacity)
     logits, feats, cache = forward(
         params, cfg, jnp.asarray(toks), pos, cache, jnp.zeros((b,), jnp.int32), _causal(b, t), TAPS
     )
@@ -46,22 +47,22 @@ def _taps_ref(hidden, rows):
 
 def test_config_from_hf_forms():
     base = dict(oracles.TINY_TARGET)
-    legacy = qwen3.config_from_hf(dict(base, rope_scaling=None, tie_word_embeddings=True))
+    legacy = decoder.config_from_hf(dict(base, rope_scaling=None, tie_word_embeddings=True))
     theta = base.pop("rope_theta")
-    new = qwen3.config_from_hf(dict(base, rope_parameters={"rope_type": "default", "rope_theta": theta}))
+    new = decoder.config_from_hf(dict(base, rope_parameters={"rope_type": "default", "rope_theta": theta}))
     assert legacy.rope_theta == new.rope_theta == theta
     assert legacy.head_dim == 32 and legacy.tie_word_embeddings and not new.tie_word_embeddings
     assert (legacy.dtype, legacy.attention_impl) == ("bfloat16", "xla")
-    assert qwen3.config_from_hf(dict(base, rope_theta=theta), dtype=jnp.float32).dtype == "float32"
-    assert hash(qwen3.config_from_hf(dict(base, rope_theta=theta), dtype="float32", attention_impl="pallas"))
+    assert decoder.config_from_hf(dict(base, rope_theta=theta), dtype=jnp.float32).dtype == "float32"
+    assert hash(decoder.config_from_hf(dict(base, rope_theta=theta), dtype="float32", attention_impl="pallas"))
     with pytest.raises(ValueError, match="attention_impl"):
-        qwen3.config_from_hf(dict(base, rope_theta=theta), attention_impl="cuda")
+        decoder.config_from_hf(dict(base, rope_theta=theta), attention_impl="cuda")
     with pytest.raises(ValueError, match="rope_type"):
-        qwen3.config_from_hf(
+        decoder.config_from_hf(
             dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": 4.0})
         )
     with pytest.raises(ValueError, match="rope_theta"):
-        qwen3.config_from_hf(base)
+        decoder.config_from_hf(base)
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))
@@ -73,12 +74,13 @@ def test_hf_shapes_match_saved_checkpoint(name, tmp_path):
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as f:
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert qwen3.hf_shapes(cfg) == saved
+    assert decoder.hf_shapes(cfg) == saved
     assert ("lm_head.weight" in saved) == (not tie)
     assert sorted(reads) == sorted(saved)
     assert any(k.endswith("q_proj.bias") for k in saved) == (model_type == "qwen2")
-    assert any("q_norm" in k for k in saved) == (model_type == "qwen3")
-    assert oracles.check_hf_contract(qwen3, cfg, jnp.float32) == len(saved)
+    assert any("q_norm" in k for k in saved) == (model_type in ("qwen3", "qwen3_moe"))
+    assert any(".mlp.experts." in k for k in saved) == (model_type == "qwen3_moe")
+    assert oracles.check_hf_contract(decoder, cfg, jnp.float32) == len(saved)
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))
@@ -152,10 +154,10 @@ def test_bf16_forward_close_to_fp32():
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     args = (toks, pos)
     ref, _, _ = forward(
-        params, cfg, *args, qwen3.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8)
+        params, cfg, *args, decoder.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8)
     )
     out, feats, cache = forward(
-        params16, cfg16, *args, qwen3.init_cache(cfg16, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8), (1,)
+        params16, cfg16, *args, decoder.init_cache(cfg16, 1, 8), jnp.zeros(1, jnp.int32), _causal(1, 8), (1,)
     )
     assert out.dtype == jnp.float32 and feats.dtype == jnp.bfloat16 and cache.k[0].dtype == jnp.bfloat16
     assert float(jnp.max(jnp.abs(out - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
@@ -163,14 +165,14 @@ def test_bf16_forward_close_to_fp32():
 
 def test_forward_rejects_bad_inputs():
     _, cfg, params, _ = _tiny("qwen3")
-    cache = qwen3.init_cache(cfg, 1, 4)
+    cache = decoder.init_cache(cfg, 1, 4)
     toks, pos, lens = jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3), jnp.int32), jnp.zeros(1, jnp.int32)
     with pytest.raises(ValueError, match="taps"):
-        qwen3.forward(params, cfg, toks, pos, cache, lens, _causal(1, 3), taps=(cfg.num_layers,))
+        decoder.forward(params, cfg, toks, pos, cache, lens, _causal(1, 3), taps=(cfg.num_layers,))
     with pytest.raises(ValueError, match="shapes"):
-        qwen3.forward(params, cfg, toks, pos, cache, lens, _causal(1, 2))
+        decoder.forward(params, cfg, toks, pos, cache, lens, _causal(1, 2))
     with pytest.raises(ValueError, match="fit"):
-        qwen3.forward(
+        decoder.forward(
             params,
             cfg,
             jnp.zeros((1, 5), jnp.int32),
@@ -180,7 +182,7 @@ def test_forward_rejects_bad_inputs():
             _causal(1, 5),
         )
     with pytest.raises(ValueError, match="HF shape"):
-        qwen3.params_from_hf(cfg, lambda k: np.zeros((3,), np.float32), jnp.float32)
+        decoder.params_from_hf(cfg, lambda k: np.zeros((3,), np.float32), jnp.float32)
 
 
 def test_pallas_dispatch_matches_xla():
@@ -193,8 +195,8 @@ def test_pallas_dispatch_matches_xla():
     toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
     lens = jnp.zeros(2, jnp.int32)
-    ref, _, _ = forward(params, cfg, toks, pos, qwen3.init_cache(cfg, 2, 16), lens, _causal(2, 8))
-    out, _, _ = forward(params, cfg_p, toks, pos, qwen3.init_cache(cfg_p, 2, 16), lens, _causal(2, 8))
+    ref, _, _ = forward(params, cfg, toks, pos, decoder.init_cache(cfg, 2, 16), lens, _causal(2, 8))
+    out, _, _ = forward(params, cfg_p, toks, pos, decoder.init_cache(cfg_p, 2, 16), lens, _causal(2, 8))
     np.testing.assert_allclose(out, ref, **TOL)
 
 
@@ -222,13 +224,13 @@ def test_real_config_shapes(name):
         use_sliding_window=False,
         model_type="qwen3",
     )
-    cfg = qwen3.config_from_hf(d)
-    n = oracles.check_hf_contract(qwen3, cfg, jnp.bfloat16)
+    cfg = decoder.config_from_hf(d)
+    n = oracles.check_hf_contract(decoder, cfg, jnp.bfloat16)
     assert n == 1 + 36 * 11 + 1 + (0 if d["tie_word_embeddings"] else 1)
-    shapes, h = qwen3.hf_shapes(cfg), d["hidden_size"]
+    shapes, h = decoder.hf_shapes(cfg), d["hidden_size"]
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4096, h)
     assert shapes["model.layers.35.self_attn.k_proj.weight"] == (1024, h)
     assert shapes["model.layers.7.mlp.down_proj.weight"] == (h, d["intermediate_size"])
-    ab = qwen3.abstract_params(cfg, jnp.bfloat16)
+    ab = decoder.abstract_params(cfg, jnp.bfloat16)
     assert ab.layers[0].wo.shape == (4096, h) and ab.embed.shape == (151936, h)
     assert (ab.lm_head is None) == d["tie_word_embeddings"]

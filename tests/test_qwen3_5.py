@@ -17,7 +17,7 @@ from dtree_jax.models import qwen3_5 as m
 from dtree_jax.tree import ancestor_mask
 from tests import oracles_hybrid as oh
 
-KINDS = ("qwen3_5", "qwen3_next")
+KINDS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 TOL = dict(rtol=2e-4, atol=2e-4)
 TAPS = (2, 3, 0)  # 3 is the last layer (HF takes it after the final norm)
 forward = jax.jit(m.forward, static_argnames=("cfg", "taps"))
@@ -29,7 +29,7 @@ PARENTS = np.array([[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 2, 0, 4, 1, 5]], np.in
 
 @functools.lru_cache(maxsize=None)
 def _tiny(kind: str):
-    model, d = oh.tiny_hybrid(kind, seed={"qwen3_5": 3, "qwen3_next": 5}[kind])
+    model, d = oh.tiny_hybrid(kind, seed={"qwen3_5": 3, "qwen3_next": 5, "qwen3_5_moe": 6}[kind])
     cfg = m.config_from_hf(d, dtype="float32")
     state = oh.checkpoint_state(model)
     reads = []

@@ -9,7 +9,7 @@ import pytest
 
 from dtree_jax import train
 from dtree_jax.api import generate
-from dtree_jax.models import drafter, qwen3
+from dtree_jax.models import decoder, drafter
 
 
 def test_tokenizer_is_bytes_plus_specials():
@@ -36,8 +36,8 @@ def tiny_pair():
 
     tdict = dict(tt.TARGET_CONFIG, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16)
-    tcfg = qwen3.config_from_hf(tdict, dtype="float32")
-    tparams = train.init_params(qwen3, tcfg, jax.random.key(0), std=0.3)
+    tcfg = decoder.config_from_hf(tdict, dtype="float32")
+    tparams = train.init_params(decoder, tcfg, jax.random.key(0), std=0.3)
     ddict = tt.drafter_config(block_size=4, shift_label=False)
     ddict.update(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                  num_target_layers=2)
@@ -53,16 +53,16 @@ def test_drafter_objective_is_the_inference_computation(tiny_pair):
     tcfg, tparams, dcfg, dparams = tiny_pair
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 24)), jnp.int32)
     anchors = jnp.array([[5, 11]], jnp.int32)
-    base, final, labels = train.drafter_logits(dparams, dcfg, qwen3, tparams, tcfg, tokens, anchors)
+    base, final, labels = train.drafter_logits(dparams, dcfg, decoder, tparams, tcfg, tokens, anchors)
     for j, a in enumerate([5, 11]):
-        cache = qwen3.init_cache(tcfg, 1, 32)
+        cache = decoder.init_cache(tcfg, 1, 32)
         pos = jnp.arange(a)[None]
-        _, feats, _ = qwen3.forward(tparams, tcfg, tokens[:, :a], pos, cache, jnp.zeros(1, jnp.int32),
+        _, feats, _ = decoder.forward(tparams, tcfg, tokens[:, :a], pos, cache, jnp.zeros(1, jnp.int32),
                                     jnp.tri(a, dtype=bool)[None], tuple(dcfg.target_layer_ids))
         dcache = drafter.init_drafter_cache(dcfg, 1, 32)
         dcache = drafter.append_context(dparams, dcfg, dcache, jnp.zeros(1, jnp.int32), feats, pos)
-        ph = drafter.draft_rows(drafter.draft_block(dparams, dcfg, qwen3, tparams, dcache, jnp.array([a]), tokens[:, a]), dcfg)
-        np.testing.assert_allclose(base[j], qwen3.lm_head(tparams, tcfg, ph)[0], atol=2e-4)
+        ph = drafter.draft_rows(drafter.draft_block(dparams, dcfg, decoder, tparams, dcache, jnp.array([a]), tokens[:, a]), dcfg)
+        np.testing.assert_allclose(base[j], decoder.lm_head(tparams, tcfg, ph)[0], atol=2e-4)
         np.testing.assert_array_equal(labels[j], tokens[0, a + 1 : a + 1 + dcfg.num_draft_rows])
     assert not np.allclose(final, base)  # the head contributes
 
@@ -72,7 +72,7 @@ def test_drafter_training_step_reduces_loss(tiny_pair):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 20)), jnp.int32)
     anchors = jnp.array([[3, 9], [4, 12]], jnp.int32)
     batches = iter([(tokens, anchors)] * 12)
-    loss = lambda p, b, s: train.drafter_loss(p, dcfg, qwen3, tparams, tcfg, b[0], b[1], 0.5)
+    loss = lambda p, b, s: train.drafter_loss(p, dcfg, decoder, tparams, tcfg, b[0], b[1], 0.5)
     _, log = train.fit(dparams, loss, batches, steps=12, lr=1e-2, warmup=1, log_every=1)
     assert log.losses[-1] < log.losses[0]
 

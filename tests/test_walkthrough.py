@@ -11,7 +11,7 @@ import pytest
 
 from dtree_jax import api, builders, train
 from dtree_jax.builders import methods
-from dtree_jax.models import drafter, families, qwen3
+from dtree_jax.models import decoder, drafter, families
 from tests.oracles import StateGetter, tiny_domino, tiny_qwen3
 
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
@@ -20,8 +20,8 @@ PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 4, 6, 11, 3, 40, 41]]
 @pytest.fixture(scope="module")
 def pair():
     hf, d = tiny_qwen3(tie=False, seed=3)
-    cfg = qwen3.config_from_hf(d, dtype="float32")
-    target = api.Model("qwen3", cfg, qwen3.params_from_hf(cfg, StateGetter(hf), "float32"))
+    cfg = decoder.config_from_hf(d, dtype="float32")
+    target = api.Model("qwen3", cfg, decoder.params_from_hf(cfg, StateGetter(hf), "float32"))
     dom, _, dd = tiny_domino(shift_label=True, seed=4)
     dcfg = drafter.config_from_hf(dd, dtype="float32")
     return d, target, api.Model("drafter", dcfg, drafter.params_from_hf(dcfg, StateGetter(dom), "float32"))
@@ -33,18 +33,18 @@ def test_adding_a_target_family(pair, tmp_path, monkeypatch):
     monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))  # the registry as it was, after the test
     d, target, draft = pair
     families.register_family(families.Family(
-        "toy", "dtree_jax.models.qwen3", model_types=("toy",), renamed_prefixes=(("transformer.", "model."),)))
-    tensors = {k.replace("model.", "transformer.", 1): v for k, v in train.hf_tensors(qwen3, target.cfg,
+        "toy", "dtree_jax.models.decoder", model_types=("toy",), renamed_prefixes=(("transformer.", "model."),)))
+    tensors = {k.replace("model.", "transformer.", 1): v for k, v in train.hf_tensors(decoder, target.cfg,
                                                                                         target.params).items()}
     train.save_hf(tmp_path, dict(d, model_type="toy"), tensors)
     toy = api.load_model(tmp_path)
-    assert toy.kind == "toy" and toy.module is qwen3 and not toy.is_drafter
+    assert toy.kind == "toy" and toy.module is decoder and not toy.is_drafter
     for method in ("ar", "dominotree"):
         got = api.generate(toy, PROMPTS, method, draft, budget=6, max_new_tokens=12, stop_ids=())
         want = api.generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=12, stop_ids=())
         assert got.tokens == want.tokens, method
     with pytest.raises(ValueError, match="already registered"):
-        families.register_family(families.Family("toy2", "dtree_jax.models.qwen3", model_types=("toy",)))
+        families.register_family(families.Family("toy2", "dtree_jax.models.decoder", model_types=("toy",)))
 
 
 def test_adding_a_drafting_method(pair, monkeypatch):
@@ -53,7 +53,7 @@ def test_adding_a_drafting_method(pair, monkeypatch):
     monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
     _, target, draft = pair
 
-    def sharp_marginal(rnd, head, embed, *, k, M, P):
+    def sharp_marginal(rnd, head, embed, *, k, M, pure_depths):
         return builders.marginal_scorer(dataclasses.replace(rnd, base=rnd.base * 3.0), k=k)
 
     builders.register_method(builders.Method("sharptree", sharp_marginal, tree=True))

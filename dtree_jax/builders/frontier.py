@@ -58,10 +58,19 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
     pop order).  Requests with fewer than ``budget`` candidates are padded with dead leaves
     (``mask_token_id``, parent 0, depth 1, score -inf).
     """
-    k = scorer.k
-    widths = list(lane_widths(budget, k, min(max_depth, scorer.num_depths)))
+    widths = list(lane_widths(budget, scorer.k, min(max_depth, scorer.num_depths)))
     start = scan_start(tuple(widths), scorer.first_dynamic_depth)
     widths[start:] = [widths[start]] * (len(widths) - start) if start < len(widths) else []
+    ledger, depth_of = _fill_ledger(scorer, widths, start, budget)
+    return _best_nodes(*ledger, depth_of, root, budget=budget, mask_token_id=mask_token_id)
+
+
+def _fill_ledger(scorer, widths: list[int], start: int, budget: int):
+    """The fixed-shape ledger: every lane's ``k`` children at every depth, depth-major, as (cumulative score,
+    token, parent ledger id), each ``[B, L]`` with ``L >= budget`` (padded with dead entries), and ``depth_of``
+    ``[L]`` (numpy: each entry's depth).  Depths before ``start`` are unrolled (their widths differ); depths
+    ``[start, last)`` run as one scan at width ``widths[start]``; the last depth has no next lanes."""
+    k = scorer.k
     state = scorer.initial_state[:, None]  # [B, 1, S]
     b = state.shape[0]
     rows = jnp.arange(b)[:, None]
@@ -94,8 +103,7 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
         width = widths[start]
 
         def body(carry, d):
-            state, lane_score, lane_node = carry
-            block, lanes = step(d, state, lane_score, lane_node, offset + (d - start) * width * k, width)
+            block, lanes = step(d, *carry, offset + (d - start) * width * k, width)
             return lanes, block
 
         (state, lane_score, lane_node), blocks = jax.lax.scan(
@@ -111,17 +119,23 @@ def frontier_tree(scorer, root: jax.Array, *, budget: int, max_depth: int, mask_
         ledger.append((jnp.full((b, pad), -jnp.inf, jnp.float32), jnp.zeros((b, pad), jnp.int32),
                        jnp.full((b, pad), -1, jnp.int32)))
         depth_of = np.concatenate([depth_of, np.ones(pad, np.int32)])
-    score, token, parent = (jnp.concatenate(part, axis=-1) for part in zip(*ledger))  # [B, L] depth-major
+    return tuple(jnp.concatenate(part, axis=-1) for part in zip(*ledger)), depth_of
 
+
+def _best_nodes(score: jax.Array, token: jax.Array, parent: jax.Array, depth_of: np.ndarray, root: jax.Array, *,
+                budget: int, mask_token_id: int) -> Tree:
+    """The tree of the ledger's ``budget`` best entries (``score`` / ``token`` / ``parent`` ``[B, L]``, stable
+    descending order, so a parent comes before its children), parents re-indexed to tree positions."""
+    b = score.shape[0]
+    rows = jnp.arange(b)[:, None]
     sel = jnp.argsort(-score, axis=-1, stable=True)[:, :budget]  # [B, budget] top-budget, parents first
     sel_score = jnp.take_along_axis(score, sel, axis=-1)
     sel_parent = jnp.take_along_axis(parent, sel, axis=-1)
     pos = jnp.zeros(score.shape, jnp.int32).at[rows, sel].set(jnp.arange(budget, dtype=jnp.int32))
     parent_pos = jnp.take_along_axis(pos, jnp.maximum(sel_parent, 0), axis=-1)
-    flat_parent = jnp.where(sel_parent < 0, 0, parent_pos + 1)
     valid = jnp.isfinite(sel_score)
     node_tok = jnp.where(valid, jnp.take_along_axis(token, sel, axis=-1), mask_token_id)
-    node_parent = jnp.where(valid, flat_parent, 0)
+    node_parent = jnp.where(valid & (sel_parent >= 0), parent_pos + 1, 0)
     node_depth = jnp.where(valid, jnp.asarray(depth_of)[sel], 1)
 
     root = jnp.asarray(root, jnp.int32)[:, None]

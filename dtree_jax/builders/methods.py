@@ -38,10 +38,10 @@ from dtree_jax.builders.scorers import (
 from dtree_jax.models.domino_head import DominoHead
 from dtree_jax.tree import Tree, chain_tree
 
-ScorerFactory = Callable[..., Any]  # (rnd, head, embed, *, k, M, P) -> a scorer (``scorers``' protocol)
+ScorerFactory = Callable[..., Any]  # (rnd, head, embed, *, k, M, pure_depths) -> a scorer (``scorers``' protocol)
 
 
-def _marginal(rnd: DraftRound, head, embed, *, k: int, M: int, P: int) -> MenuScorer:
+def _marginal(rnd: DraftRound, head, embed, *, k: int, M: int, pure_depths: int) -> MenuScorer:
     """``marginal_scorer`` as a ``ScorerFactory`` (it reads only the base logits)."""
     return marginal_scorer(rnd, k=k)
 
@@ -50,7 +50,7 @@ def _marginal(rnd: DraftRound, head, embed, *, k: int, M: int, P: int) -> MenuSc
 class Method:
     """One decoding method: the scorer that rates its drafts, and whether it verifies a tree or a chain.
 
-    ``scorer``: the factory of this round's scorer, ``(rnd, head, embed, *, k, M, P) -> scorer`` (None: ``ar``,
+    ``scorer``: the factory of this round's scorer, ``(rnd, head, embed, *, k, M, pure_depths) -> scorer`` (None: ``ar``,
     no drafter); ``needs_head``: whether that scorer reads the Domino GRU head (and the embedding table).
     ``tree``: a best-first tree of ``budget`` non-root nodes, else the greedy chain of ``min(max_depth, K)``
     drafts.  ``corr_topm``: the default candidate width M, the reference's (specforge's Domino chain corrects
@@ -117,28 +117,28 @@ def chain_draft(scorer, root: jax.Array, *, max_depth: int) -> Tree:  # root [B]
     return chain_tree(tokens, jnp.concatenate([zero, jnp.cumsum(lp, axis=-1)], axis=-1))
 
 
-@functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "P", "max_depth", "mask_token_id"))
-def jitted_build(method, rnd, head, embed, *, budget, k, M, P, max_depth, mask_token_id):
+@functools.partial(jax.jit, static_argnames=("method", "budget", "k", "M", "pure_depths", "max_depth", "mask_token_id"))
+def jitted_build(method, rnd, head, embed, *, budget, k, M, pure_depths, max_depth, mask_token_id):
     """The jitted frontier / chain builder behind ``build_tree`` (validated knobs; one compilation per static
     knobs and shapes)."""
     record = get_method(method)
     if not record.tree:
-        scorer = record.scorer(rnd, head, embed, k=1, M=M, P=P)
+        scorer = record.scorer(rnd, head, embed, k=1, M=M, pure_depths=pure_depths)
         return chain_draft(scorer, rnd.root, max_depth=max_depth)
-    scorer = record.scorer(rnd, head, embed, k=k, M=M, P=P)
+    scorer = record.scorer(rnd, head, embed, k=k, M=M, pure_depths=pure_depths)
     return frontier_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "k", "M", "P"))
-def _round_tables(method, rnd, head, embed, *, k, M, P):
+@functools.partial(jax.jit, static_argnames=("method", "k", "M", "pure_depths"))
+def _round_tables(method, rnd, head, embed, *, k, M, pure_depths):
     """The scorer's per-round arrays; the weights are left out so that jit does not copy them."""
-    scorer = get_method(method).scorer(rnd, head, embed, k=k, M=M, P=P)
+    scorer = get_method(method).scorer(rnd, head, embed, k=k, M=M, pure_depths=pure_depths)
     return dataclasses.replace(scorer, head=None, embed=None) if isinstance(scorer, DominoScorer) else scorer
 
 
-def _host_scorer(method, rnd, head, embed, *, k, M, P):
+def _host_scorer(method, rnd, head, embed, *, k, M, pure_depths):
     """The method's scorer computed in one jitted call, for the host heap."""
-    scorer = _round_tables(method, rnd, head, embed, k=k, M=M, P=P)
+    scorer = _round_tables(method, rnd, head, embed, k=k, M=M, pure_depths=pure_depths)
     return dataclasses.replace(scorer, head=head, embed=embed) if isinstance(scorer, DominoScorer) else scorer
 
 
@@ -161,7 +161,7 @@ def build_tree(
     ``budget``: non-root nodes (trees have ``budget + 1`` nodes; chains ``min(max_depth, K) + 1`` and ignore
     ``budget``, ``node_topk`` and ``builder``); ``node_topk`` (the paper's k): children per node (clamped to
     ``corr_topm`` when it is > 0); ``corr_topm`` (M): correction candidates (0 = full vocabulary; default: the
-    method's); ``pure_draft_prefix_len`` (P): uncorrected leading depths;
+    method's); ``pure_draft_prefix_len`` (pure_depths): uncorrected leading depths;
     ``max_depth``: ledger depths used (default K); ``mask_token_id``: dead-leaf token (tree methods).
     ``builder``: ``"frontier"`` (one jit, batched, no host syncs) or ``"heap"`` (host reference, same tree on
     tie-free inputs).  ``head``/``embed`` are required by the Domino methods.  Raises ValueError on bad input.
@@ -181,7 +181,7 @@ def build_tree(
     for name, (value, low) in knobs.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    budget, k, max_depth, M, P = (int(v) for v, _ in knobs.values())
+    budget, k, max_depth, M, pure_depths = (int(v) for v, _ in knobs.values())
     if M > vocab:
         raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {vocab}")
     k = min(k, M) if M > 0 else k
@@ -194,11 +194,11 @@ def build_tree(
     else:
         mask_token_id = None
     if builder == "heap" and record.tree:
-        scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, P=P)
+        scorer = _host_scorer(method, rnd, head, embed, k=k, M=M, pure_depths=pure_depths)
         return heap_tree(scorer, rnd.root, budget=budget, max_depth=max_depth, mask_token_id=mask_token_id)
     return jitted_build(
         method, rnd, head, embed,
-        budget=budget, k=k, M=M, P=P, max_depth=max_depth, mask_token_id=mask_token_id,
+        budget=budget, k=k, M=M, pure_depths=pure_depths, max_depth=max_depth, mask_token_id=mask_token_id,
     )
 
 

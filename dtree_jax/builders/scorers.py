@@ -119,7 +119,7 @@ def marginal_scorer(rnd: DraftRound, *, k: int) -> MenuScorer:
 class DominoScorer:
     """Children scored by ``base[d] + W2 . SiLU(W1 . [ph[d] ; s])`` with ``s`` the node's own path state.
 
-    Depths ``d < P`` use the uncorrected full-vocabulary menus ``prefix``.  With ``cand`` set (M > 0) the
+    Depths ``d < pure_depths`` use the uncorrected full-vocabulary menus ``prefix``.  With ``cand`` set (M > 0) the
     correction is evaluated on the round's top-M candidates of the uncorrected ``base[d]`` and the log-softmax
     is renormalised over those M; with ``cand is None`` (M = 0) it spans the full vocabulary.
     """
@@ -128,12 +128,12 @@ class DominoScorer:
     embed: jax.Array  # [V, H] target embedding table (the GRU's inputs)
     ph: jax.Array  # [B, K, H]
     root_state: jax.Array  # [B, G]
-    prefix: MenuScorer  # menus for d < min(P, K): tokens/logprobs [B, min(P, K), k]
+    prefix: MenuScorer  # menus for d < min(pure_depths, K): tokens/logprobs [B, min(pure_depths, K), k]
     logits: jax.Array  # [B, K, M] base at the candidates (fp32), or [B, K, V] base when cand is None
     cand: jax.Array | None  # [B, K, M] int32 candidate token ids, None for full vocabulary
     w2c: jax.Array | None  # [B, K, M, E] fp32 W2 rows of the candidates, None for full vocabulary
     k: int = dataclasses.field(metadata=dict(static=True))
-    P: int = dataclasses.field(metadata=dict(static=True))
+    pure_depths: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_depths(self) -> int:
@@ -145,10 +145,10 @@ class DominoScorer:
 
     @property
     def first_dynamic_depth(self) -> int:  # the uncorrected prefix depths are chosen by a Python branch
-        return self.P
+        return self.pure_depths
 
     def scores(self, d, state: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, W, G] -> 2x [B, W, k]
-        if isinstance(d, int) and d < self.P:
+        if isinstance(d, int) and d < self.pure_depths:
             return self.prefix.scores(d, state)
         ph = self.ph[:, d, None]  # [B, 1, H], broadcast over lanes
         if self.cand is None:
@@ -178,20 +178,20 @@ class DominoScorer:
 
 
 def domino_scorer(
-    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int
+    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, pure_depths: int
 ) -> DominoScorer:
     """Per-round setup of Domino's conditional scorer (§4.2): prefix menus, top-M candidates, W2 rows.
 
     ``k`` must already satisfy ``k <= M`` when ``M > 0`` (``build_tree`` clamps it).
     """
     base = rnd.base.astype(jnp.float32)
-    prefix = MenuScorer(*_top_k_logprobs(base[:, : min(P, rnd.num_depths)], k))
+    prefix = MenuScorer(*_top_k_logprobs(base[:, : min(pure_depths, rnd.num_depths)], k))
     if M > 0:
         logits, cand = _top_k(base, M)  # [B, K, M] of the uncorrected base, stable
         w2c = jnp.take(head.w2, cand, axis=0).astype(jnp.float32)  # [B, K, M, E]
     else:
         logits, cand, w2c = base, None, None
-    return DominoScorer(head, embed, rnd.ph, rnd.root_state, prefix, logits, cand, w2c, k=k, P=P)
+    return DominoScorer(head, embed, rnd.ph, rnd.root_state, prefix, logits, cand, w2c, k=k, pure_depths=pure_depths)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,8 +226,8 @@ def chain_menus(scorer, depths: int | None = None) -> MenuScorer:
 
 
 def condstatic_scorer(
-    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, P: int
+    rnd: DraftRound, head: DominoHead, embed: jax.Array, *, k: int, M: int, pure_depths: int
 ) -> MenuScorer:
     """§4.8 ablation: Domino's correction evaluated once per depth along the greedy Domino chain and shared
     by every node at that depth (same top-M restriction), isolating the effect of path dependence."""
-    return chain_menus(domino_scorer(rnd, head, embed, k=k, M=M, P=P))
+    return chain_menus(domino_scorer(rnd, head, embed, k=k, M=M, pure_depths=pure_depths))

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.config import DecoderConfig
 from dtree_jax.models.sharding import axes
 
 
@@ -27,7 +27,7 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def init_kv_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
+def init_kv_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
     """Zero cache for ``cfg.num_layers`` layers, ``max_len`` rows per request, dtype ``cfg.dtype``."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")

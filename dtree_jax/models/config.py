@@ -77,6 +77,38 @@ def repeat_kv(x, cfg):  # [B, T, Hkv, D] -> [B, T, Hkv * kv_head_repeat, D]
     return x if cfg.kv_head_repeat == 1 else jnp.repeat(x, cfg.kv_head_repeat, axis=2)
 
 
+def moe_fields(text: Mapping[str, Any], num_layers: int, enabled: bool) -> dict[str, Any]:
+    """A target config's MoE fields (``models.moe``) from an HF config dict: ``moe_layers`` (layer ``i`` is MoE
+    when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``), ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size`` (0: none) and
+    ``norm_topk_prob``; every layer dense when not ``enabled`` (a dense model type) or without experts.  The
+    expert count is ``num_experts`` (the hub's configs) or ``num_local_experts`` (what transformers 5 writes)."""
+    experts = int(text.get("num_experts") or text.get("num_local_experts") or 0) if enabled else 0
+    size = lambda key: int(text.get(key, 0) or 0) if experts else 0  # noqa: E731
+    step, only = int(text.get("decoder_sparse_step", 1) or 1), set(text.get("mlp_only_layers") or ())
+    return dict(
+        moe_layers=tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(num_layers)),
+        num_experts=experts,
+        num_experts_per_tok=size("num_experts_per_tok"),
+        moe_intermediate_size=size("moe_intermediate_size"),
+        shared_expert_intermediate_size=size("shared_expert_intermediate_size"),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if experts else True,
+    )
+
+
+def check_moe(cfg) -> None:
+    """Normalises ``cfg.moe_layers`` (``()``: every layer dense) and refuses inconsistent MoE fields."""
+    moe = tuple(bool(m) for m in cfg.moe_layers) or (False,) * cfg.num_layers
+    object.__setattr__(cfg, "moe_layers", moe)
+    if len(moe) != cfg.num_layers:
+        raise ValueError(f"moe_layers must have {cfg.num_layers} entries, got {len(moe)}")
+    if any(moe) and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(f"MoE needs 0 < num_experts_per_tok <= num_experts, got "
+                         f"{cfg.num_experts_per_tok} and {cfg.num_experts}")
+    if any(moe) and cfg.moe_intermediate_size < 1:
+        raise ValueError(f"MoE needs moe_intermediate_size >= 1, got {cfg.moe_intermediate_size}")
+
+
 def _require(d: Mapping[str, Any], key: str) -> Any:
     if key not in d or d[key] is None:
         raise ValueError(f"config is missing required field {key!r}")
@@ -84,9 +116,10 @@ def _require(d: Mapping[str, Any], key: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
-    """A dense decoder: Qwen3 (the target, or the drafter's backbone with its draft layers), Llama and Qwen2
-    differ from it only by the switches ``qk_norm``, ``qkv_bias`` and ``rope_scaling``."""
+class DecoderConfig:
+    """The full-attention decoder: Qwen3 (the target, or the drafter's backbone with its draft layers); Llama,
+    Qwen2 and Qwen3-MoE differ from it only by the switches ``qk_norm``, ``qkv_bias``, ``rope_scaling`` and the
+    MoE fields (``moe_layers``: which layers' MLPs are ``models.moe`` experts)."""
 
     vocab_size: int
     hidden_size: int
@@ -106,9 +139,16 @@ class Qwen3Config:
     kernel_platform: str | None = None  # "tpu" | "gpu" | "cpu" (interpret mode); None: the runtime's platform
     max_position_embeddings: int | None = None  # positions the model was trained for (generate checks prompts)
     kv_head_repeat: int = 1  # the KV cache holds each KV head this many times (``sharding.for_mesh``)
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (Qwen3-MoE, ``models.moe``), else dense; () = all dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-MoE)
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)  # accept jnp.bfloat16, np.dtype, "float32"
+        check_moe(self)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         check_kernel_platform(self.kernel_platform)
@@ -122,7 +162,7 @@ class Qwen3Config:
         return self.num_kv_heads * self.kv_head_repeat
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any], **overrides) -> "Qwen3Config":
+    def from_hf(cls, d: Mapping[str, Any], **overrides) -> "DecoderConfig":
         """From an HF ``Qwen3Config`` / ``LlamaConfig`` / ``Qwen2Config`` dict (``model_type`` sets the
         switches; absent or any other value: Qwen3); ``overrides`` sets ``dtype``/``attention_impl`` (or any
         field).  What these models can be configured to do and is not implemented here is refused."""
@@ -151,10 +191,11 @@ class Qwen3Config:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             qkv_bias=model_type == "qwen2",
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings"),
+            **moe_fields(d, int(_require(d, "num_hidden_layers")), model_type == "qwen3_moe"),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -221,7 +262,7 @@ def _draft_attention(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[bool,
 class DrafterConfig:
     """A DFlash block drafter, optionally with Domino's GRU correction head (``has_head``)."""
 
-    model: Qwen3Config  # the draft backbone (num_layers = draft layers; vocab = the target's)
+    model: DecoderConfig  # the draft backbone (num_layers = draft layers; vocab = the target's)
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
@@ -301,7 +342,7 @@ class DrafterConfig:
         if d.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"drafter model_type must be qwen3 (DFlash draft layers are Qwen3 layers), got "
                              f"{d['model_type']!r}")
-        model = Qwen3Config.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
+        model = DecoderConfig.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
         causal, windows = _draft_attention(d, model.num_layers)
         n_target = pick("num_target_layers")
         ids = pick("target_layer_ids")

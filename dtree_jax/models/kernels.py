@@ -44,6 +44,15 @@ def kernel_choice(op: str, cfg) -> str:
     return KERNELS[op][kernel_platform(cfg)]
 
 
+def moe_grouping(cfg, tokens: int) -> str:
+    """How ``models.moe.moe_mlp`` runs ``tokens`` tokens' routed experts for ``cfg``: "ragged" (grouped GEMM) on
+    TPU and GPU; on CPU, whose ``ragged_dot`` costs every expert for every pair, "gather" while the
+    token-expert pairs are no more than the experts, else "dense"."""
+    if kernel_platform(cfg) != "cpu":
+        return "ragged"
+    return "gather" if tokens * cfg.num_experts_per_tok <= cfg.num_experts else "dense"
+
+
 def attention_kwargs(cfg) -> dict:
     """``tree_attention``'s ``backend`` / ``interpret`` for ``cfg`` (backend "xla": the jnp reference): the
     kernel choice in the kernel package's own terms (``tree_gdn_mixer`` takes the choice as it is)."""
@@ -52,5 +61,5 @@ def attention_kwargs(cfg) -> dict:
     return dict(backend=backend, interpret=choice == "interpret")
 
 
-__all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice",
+__all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice", "moe_grouping",
            "attention_kwargs"]

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
-from dtree_jax.models.config import Llama3RoPE, Qwen3Config, repeat_kv
+from dtree_jax.models.config import Llama3RoPE, DecoderConfig, repeat_kv
 from dtree_jax.models.kernels import attention_kwargs
 from dtree_jax.models.sharding import axes
 from pallas_kernels.tree_attention import reference_tree_attention
@@ -39,6 +39,17 @@ class LayerParams:
     bk: jax.Array | None = axes("kv_heads")  # [Hkv*D]
     bv: jax.Array | None = axes("kv_heads")  # [Hkv*D]
     mlp_norm: jax.Array = axes(None)  # [H] post_attention_layernorm
+    w_gate: jax.Array | None = axes(None, "mlp")  # [H, I] (None in an MoE layer)
+    w_up: jax.Array | None = axes(None, "mlp")  # [H, I]
+    w_down: jax.Array | None = axes("mlp", None)  # [I, H]
+    moe: Any = None  # an MoE layer's ``models.moe.MoEParams`` (None: the dense SwiGLU above)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseMLP:
+    """A SwiGLU MLP on its own (the hybrid models' dense layers, a shared expert)."""
+
     w_gate: jax.Array = axes(None, "mlp")  # [H, I]
     w_up: jax.Array = axes(None, "mlp")  # [H, I]
     w_down: jax.Array = axes("mlp", None)  # [I, H]
@@ -65,15 +76,17 @@ LAYER_KEYS = (
 )
 
 
-def layer_keys(cfg: Qwen3Config | None) -> tuple[tuple[str, str, bool], ...]:
-    """The ``LAYER_KEYS`` entries a layer of ``cfg`` has (``None``: a Qwen3 layer, as in every DFlash drafter)."""
+def layer_keys(cfg: DecoderConfig | None, dense_mlp: bool = True) -> tuple[tuple[str, str, bool], ...]:
+    """The ``LAYER_KEYS`` entries a layer of ``cfg`` has (``None``: a Qwen3 layer, as in every DFlash drafter);
+    an MoE layer (not ``dense_mlp``) has no ``mlp.*`` ones (``models.moe`` lists its own)."""
     qk_norm, bias = (True, False) if cfg is None else (cfg.qk_norm, cfg.qkv_bias)
     absent = set() if qk_norm else {"q_norm", "k_norm"}
     absent |= set() if bias else {"bq", "bk", "bv"}
+    absent |= set() if dense_mlp else {"w_gate", "w_up", "w_down"}
     return tuple(entry for entry in LAYER_KEYS if entry[1] not in absent)
 
 
-def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def layer_hf_shapes(cfg: DecoderConfig, dense_mlp: bool = True) -> dict[str, tuple[int, ...]]:
     """HF shapes ``[out, in]`` of one decoder layer, keyed like ``LAYER_KEYS`` (only the keys it has)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -93,13 +106,14 @@ def layer_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
     }
-    return {key: shapes[key] for key, _, _ in layer_keys(cfg)}
+    return {key: shapes[key] for key, _, _ in layer_keys(cfg, dense_mlp)}
 
 
-def load_layer(leaf: Leaf, prefix: str, cfg: Qwen3Config | None = None) -> LayerParams:
+def load_layer(leaf: Leaf, prefix: str, cfg: DecoderConfig | None = None, dense_mlp: bool = True) -> LayerParams:
     """Builds one layer from ``leaf(hf_key, transpose)`` with HF keys ``{prefix}{LAYER_KEYS name}``; the
-    fields ``cfg`` does not have are None (``cfg=None``: a Qwen3 layer, see ``layer_keys``)."""
-    present = {field: leaf(prefix + key, t) for key, field, t in layer_keys(cfg)}
+    fields ``cfg`` does not have are None (``cfg=None``: a Qwen3 layer, see ``layer_keys``; an MoE layer's
+    caller sets ``moe``)."""
+    present = {field: leaf(prefix + key, t) for key, field, t in layer_keys(cfg, dense_mlp)}
     return LayerParams(**{field: present.get(field) for _, field, _ in LAYER_KEYS})
 
 
@@ -243,14 +257,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([xr * cos + rotated * sin, xp], axis=-1)
 
 
-def swiglu(p: LayerParams, x: jax.Array) -> jax.Array:
+def swiglu(p: LayerParams | DenseMLP, x: jax.Array) -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` for ``x [..., H]``."""
     return (jax.nn.silu(x @ p.w_gate) * (x @ p.w_up)) @ p.w_down
 
 
 def kv_project(
     p: LayerParams,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     x: jax.Array,  # [B, T, H] (already normed: input_layernorm output, or the drafter's projected context)
     cos: jax.Array,  # [B, T, D]
     sin: jax.Array,  # [B, T, D]
@@ -267,7 +281,7 @@ def _project(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:  # [
     return x @ w if b is None else x @ w + b
 
 
-def _head_norm(x: jax.Array, w: jax.Array | None, cfg: Qwen3Config) -> jax.Array:  # [B, T, heads, D]
+def _head_norm(x: jax.Array, w: jax.Array | None, cfg: DecoderConfig) -> jax.Array:  # [B, T, heads, D]
     """Qwen3's per-head q/k RMSNorm; the identity for models without one (``w`` None)."""
     return x if w is None else rms_norm(x, w, cfg.rms_norm_eps)
 
@@ -284,7 +298,7 @@ def write_rows(cache: jax.Array, new: jax.Array, lens: jax.Array) -> jax.Array:
 
 
 def attend(
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     q: jax.Array,  # [B, T, Hq, D]
     k: jax.Array,  # [B, S, Hkv, D]
     v: jax.Array,  # [B, S, Hkv, D]
@@ -320,7 +334,7 @@ def attend(
 
 def decoder_layer(
     p: LayerParams,
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     x: jax.Array,  # [B, T, H] residual stream
     cos: jax.Array,  # [B, T, D] RoPE tables at the tokens' positions
     sin: jax.Array,  # [B, T, D]
@@ -329,9 +343,11 @@ def decoder_layer(
     lens: jax.Array,  # [B] rows already in the cache
     local_mask: jax.Array,  # [B, T, T]
     window: int | None = None,
+    mlp: Callable[[LayerParams, jax.Array], jax.Array] = swiglu,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Qwen3 decoder layer; returns the new residual stream and the caches with the T new rows written.
-    ``window``: sliding-window attention (see ``attend``)."""
+    ``window``: sliding-window attention (see ``attend``); ``mlp(p, x)``: the layer's MLP (an MoE model's
+    dispatches on ``p.moe``)."""
     b, t, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     q = _project(h, p.wq, p.bq).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -341,5 +357,5 @@ def decoder_layer(
     v_cache = write_rows(v_cache, v, lens)
     o = attend(cfg, q, k_cache, v_cache, lens, local_mask, window)
     x = x + o.reshape(b, t, cfg.num_heads * cfg.head_dim) @ p.wo
-    x = x + swiglu(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
+    x = x + mlp(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
     return x, k_cache, v_cache

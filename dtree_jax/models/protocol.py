@@ -1,6 +1,6 @@
 """What the decode loop needs from its models: the ``TargetModel`` and ``DrafterModel`` protocols.
 
-Our targets are modules of functions (``dtree_jax.models.qwen3`` for Qwen3 / Llama / Qwen2,
+Our targets are modules of functions (``dtree_jax.models.decoder`` for Qwen3 / Llama / Qwen2,
 ``dtree_jax.models.qwen3_5`` for the hybrid Gated-DeltaNet models); any object with these attributes decodes
 with every method (a Flax NNX module through a thin adapter, for instance).  Our drafter is
 ``dtree_jax.models.drafter`` (DFlash, with or without the Domino GRU head); another drafter kind that

@@ -1,11 +1,11 @@
-"""Hybrid Gated-DeltaNet targets: Qwen3.5 / Qwen3.6 dense (``qwen3_5``, ``qwen3_5_text``) and Qwen3-Next MoE
-(``qwen3_next``), functional JAX.
+"""Hybrid Gated-DeltaNet targets: Qwen3.5 / Qwen3.6 dense (``qwen3_5``, ``qwen3_5_text``), Qwen3.5 / Qwen3.6
+MoE (``qwen3_5_moe``, ``qwen3_5_moe_text``) and Qwen3-Next (``qwen3_next``), functional JAX.
 
 Every ``full_attention_interval``-th layer (or as ``layer_types`` says) is gated full attention (per-head
 interleaved ``[q | gate]`` projection, zero-centred q/k norms, partial RoPE, ``o * sigmoid(gate)``); the
 others are Gated DeltaNet token mixers (``models.gdn``; tree verify ``models.tree_gdn``).  MLPs are dense SwiGLU
-or, for Qwen3-Next, a top-k MoE with a sigmoid-gated shared expert.  Layer norms, q/k norms and the final norm
-are zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are
+or, for the MoE models, ``models.moe``'s top-k experts with a sigmoid-gated shared expert.  Layer norms, q/k
+norms and the final norm are zero-centred (``1 + w``).  Qwen3-Next's per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are
 regrouped to the Qwen3.5 layout at load time, so one forward serves both.
 
 Phases (``dtree_jax.loop`` drives them, through the ``TargetModel`` protocol):
@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dtree_jax.models import families, kernels
+from dtree_jax.models import families, kernels, moe
 from dtree_jax.models.cache import compact_kv
 from dtree_jax.models.config import (
     ATTENTION_IMPLS,
@@ -35,11 +35,14 @@ from dtree_jax.models.config import (
     _rope_theta,
     check_kernel_platform,
     check_kv_heads,
+    check_moe,
+    moe_fields,
     repeat_kv,
 )
+from dtree_jax.models.decoder import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
-from dtree_jax.models.qwen3 import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.layers import (
+    DenseMLP,
     Leaf,
     abstract_leaf,
     apply_rope,
@@ -57,6 +60,7 @@ from dtree_jax.models.tree_gdn import TreeGDNStash, commit_tree_gdn, tree_gdn_mi
 
 FULL, LINEAR = "full_attention", "linear_attention"
 FUSED_MODEL_TYPES = ("qwen3_next",)  # grouped in_proj_qkvz / in_proj_ba
+MOE_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # MoE MLPs (``models.moe``)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ class Qwen35Config:
     linear_v_head_dim: int  # dv
     linear_conv_kernel: int  # Kc
     fused_gdn_proj: bool = False  # checkpoint has qwen3_next's grouped in_proj_qkvz / in_proj_ba
-    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (qwen3_next), else dense SwiGLU; () = all dense
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (``models.moe``), else dense SwiGLU; () = all dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -101,8 +105,7 @@ class Qwen35Config:
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        moe = tuple(bool(m) for m in self.moe_layers) or (False,) * self.num_layers
-        object.__setattr__(self, "moe_layers", moe)
+        check_moe(self)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         check_kernel_platform(self.kernel_platform)
@@ -110,11 +113,6 @@ class Qwen35Config:
             raise ValueError(
                 f"layer_types must be {self.num_layers} of {FULL!r}/{LINEAR!r}, got {self.layer_types}"
             )
-        if len(self.moe_layers) != self.num_layers:
-            raise ValueError(f"moe_layers must have {self.num_layers} entries, got {len(self.moe_layers)}")
-        if any(self.moe_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"MoE needs 0 < num_experts_per_tok <= num_experts, got "
-                             f"{self.num_experts_per_tok} and {self.num_experts}")
         check_kv_heads(self)
         if self.linear_num_v_heads % self.linear_num_k_heads:
             raise ValueError(f"linear_num_value_heads={self.linear_num_v_heads} is not a multiple of "
@@ -173,9 +171,6 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
     head_dim = int(text.get("head_dim") or int(_require(text, "hidden_size")) // heads)
     rp = text.get("rope_parameters") or {}
     factor = float(rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-    experts = int(text.get("num_experts", 0) or 0) if model_type == "qwen3_next" else 0
-    moe_int = lambda key: int(text.get(key, 0) or 0) if experts else 0
-    step, only = int(text.get("decoder_sparse_step", 1) or 1), set(text.get("mlp_only_layers") or ())
     tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     fields = dict(
         vocab_size=int(_require(text, "vocab_size")),
@@ -196,12 +191,7 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
         linear_v_head_dim=int(_require(text, "linear_value_head_dim")),
         linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
         fused_gdn_proj=model_type in FUSED_MODEL_TYPES,
-        moe_layers=tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(n)),
-        num_experts=experts,
-        num_experts_per_tok=moe_int("num_experts_per_tok"),
-        moe_intermediate_size=moe_int("moe_intermediate_size"),
-        shared_expert_intermediate_size=moe_int("shared_expert_intermediate_size"),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        **moe_fields(text, n, model_type in MOE_MODEL_TYPES),
         max_position_embeddings=text.get("max_position_embeddings"),
     )
     fields.update(overrides)
@@ -240,30 +230,11 @@ class AttnParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DenseMLP:
-    w_gate: jax.Array = axes(None, "mlp")  # [H, I]
-    w_up: jax.Array = axes(None, "mlp")  # [H, I]
-    w_down: jax.Array = axes("mlp", None)  # [I, H]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MoEMLP:
-    router: jax.Array = axes(None, None)  # [H, E]
-    w_gate: jax.Array = axes(None, None, "mlp")  # [E, H, I]
-    w_up: jax.Array = axes(None, None, "mlp")  # [E, H, I]
-    w_down: jax.Array = axes(None, "mlp", None)  # [E, I, H]
-    shared: DenseMLP
-    shared_gate: jax.Array = axes(None, None)  # [H, 1]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class HybridLayer:
     attn_norm: jax.Array = axes(None)  # [H] input_layernorm (zero-centred)
     mixer: GDNParams | AttnParams
     mlp_norm: jax.Array = axes(None)  # [H] post_attention_layernorm (zero-centred)
-    mlp: DenseMLP | MoEMLP
+    mlp: DenseMLP | moe.MoEParams
 
 
 @jax.tree_util.register_dataclass
@@ -273,14 +244,6 @@ class Qwen35Params:
     layers: tuple[HybridLayer, ...]
     final_norm: jax.Array = axes(None)  # [H] zero-centred
     lm_head: jax.Array | None = axes(None, "vocab")  # [H, V]; None when tie_word_embeddings
-
-
-def _mlp_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
-    return {
-        f"{prefix}gate_proj.weight": (i, h),
-        f"{prefix}up_proj.weight": (i, h),
-        f"{prefix}down_proj.weight": (h, i),
-    }
 
 
 def _layer_hf_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
@@ -309,13 +272,9 @@ def _layer_hf_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
             f"{la}norm.weight": (dv,), f"{la}out_proj.weight": (h, hv * dv),
         })
     if cfg.moe_layers[i]:
-        shapes["mlp.gate.weight"] = (cfg.num_experts, h)
-        for e in range(cfg.num_experts):
-            shapes.update(_mlp_shapes(f"mlp.experts.{e}.", h, cfg.moe_intermediate_size))
-        shapes.update(_mlp_shapes("mlp.shared_expert.", h, cfg.shared_expert_intermediate_size))
-        shapes["mlp.shared_expert_gate.weight"] = (1, h)
+        shapes.update(moe.hf_shapes(cfg, "mlp."))
     else:
-        shapes.update(_mlp_shapes("mlp.", h, cfg.intermediate_size))
+        shapes.update(moe.dense_shapes("mlp.", h, cfg.intermediate_size))
     return shapes
 
 
@@ -376,23 +335,6 @@ def _load_attn(leaf: Leaf, p: str) -> AttnParams:
     )
 
 
-def _load_dense(leaf: Leaf, p: str) -> DenseMLP:
-    return DenseMLP(*(leaf(f"{p}{n}_proj.weight", True) for n in ("gate", "up", "down")))
-
-
-def _load_moe(cfg: Qwen35Config, leaf: Leaf, p: str) -> MoEMLP:
-    experts = [_load_dense(leaf, f"{p}experts.{e}.") for e in range(cfg.num_experts)]
-    stack = lambda *xs: jnp.stack(xs)
-    return MoEMLP(
-        router=leaf(p + "gate.weight", True),
-        w_gate=derive(stack, *(e.w_gate for e in experts)),
-        w_up=derive(stack, *(e.w_up for e in experts)),
-        w_down=derive(stack, *(e.w_down for e in experts)),
-        shared=_load_dense(leaf, p + "shared_expert."),
-        shared_gate=leaf(p + "shared_expert_gate.weight", True),
-    )
-
-
 def build_params(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
     layers = []
     for i in range(cfg.num_layers):
@@ -401,7 +343,7 @@ def build_params(cfg: Qwen35Config, leaf: Leaf) -> Qwen35Params:
             mixer = _load_attn(leaf, p + "self_attn.")
         else:
             mixer = _load_gdn(cfg, leaf, p + "linear_attn.")
-        mlp = _load_moe(cfg, leaf, p + "mlp.") if cfg.moe_layers[i] else _load_dense(leaf, p + "mlp.")
+        mlp = moe.load(cfg, leaf, p + "mlp.") if cfg.moe_layers[i] else moe.load_dense(leaf, p + "mlp.")
         layers.append(HybridLayer(leaf(p + "input_layernorm.weight", False), mixer,
                                   leaf(p + "post_attention_layernorm.weight", False), mlp))
     return Qwen35Params(
@@ -521,31 +463,8 @@ def gdn_project(
     return h @ p.w_qkv, z, h @ p.w_a, h @ p.w_b
 
 
-def moe(p: MoEMLP, cfg: Qwen35Config, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-    """Qwen3-Next sparse MoE: fp32 softmax router, top-k (renormalised if ``norm_topk_prob``), experts as
-    grouped matmuls (``lax.ragged_dot`` over token-expert pairs sorted by expert), plus
-    ``sigmoid(gate) * shared(x)``."""
-    shape = x.shape
-    xf = x.reshape(-1, shape[-1])
-    k = cfg.num_experts_per_tok
-    probs = jax.nn.softmax((xf @ p.router).astype(jnp.float32), axis=-1)  # [M, E]
-    top_w, top_e = jax.lax.top_k(probs, k)  # [M, k]
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    flat_e = top_e.reshape(-1)
-    order = jnp.argsort(flat_e)
-    token = order // k
-    sizes = jnp.bincount(flat_e, length=cfg.num_experts).astype(jnp.int32)
-    xs = xf[token]  # [M*k, H] grouped by expert
-    hid = jax.nn.silu(jax.lax.ragged_dot(xs, p.w_gate, sizes)) * jax.lax.ragged_dot(xs, p.w_up, sizes)
-    ys = jax.lax.ragged_dot(hid, p.w_down, sizes) * top_w.astype(x.dtype).reshape(-1)[order][:, None]
-    routed = jnp.zeros_like(xf).at[token].add(ys)
-    shared = swiglu(p.shared, xf) * jax.nn.sigmoid(xf @ p.shared_gate)
-    return (routed + shared).reshape(shape)
-
-
 def mlp(layer: HybridLayer, cfg: Qwen35Config, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-    return moe(layer.mlp, cfg, x) if isinstance(layer.mlp, MoEMLP) else swiglu(layer.mlp, x)
+    return moe.mlp_for(cfg, layer.mlp, x) if isinstance(layer.mlp, moe.MoEParams) else swiglu(layer.mlp, x)
 
 
 def parents_from_mask(local_mask: jax.Array) -> jax.Array:  # [B, T, T] -> [B, T] int32

@@ -184,9 +184,10 @@ def partition_spec(axes: tuple | None, shape: tuple[int, ...], mesh, unit_counts
     return PartitionSpec(*out)
 
 
-def shardings(tree, mesh, cfg=None):
-    """The ``NamedSharding`` of every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s) on ``mesh``: the
-    table's logical axes through ``partition_spec``, with ``cfg``'s head counts (``units``)."""
+def partition_specs(tree, mesh, cfg=None):
+    """The ``PartitionSpec`` of every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s) on ``mesh`` (a ``Mesh`` or
+    the tracing context's ``AbstractMesh``): the table's logical axes through ``partition_spec``, with ``cfg``'s
+    head counts (``units``)."""
     counts = units(cfg) if cfg is not None else {}
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = []
@@ -196,8 +197,14 @@ def shardings(tree, mesh, cfg=None):
                              "next to its dataclass field with models.sharding.axes)")
         if len(logical) != len(x.shape):
             raise ValueError(f"leaf {path}: logical axes {logical} for a rank-{len(x.shape)} array {tuple(x.shape)}")
-        out.append(NamedSharding(mesh, partition_spec(logical, tuple(x.shape), mesh, counts)))
+        out.append(partition_spec(logical, tuple(x.shape), mesh, counts))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shardings(tree, mesh, cfg=None):
+    """The ``NamedSharding`` of every leaf of ``tree`` on ``mesh`` (``partition_specs``)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(tree, mesh, cfg),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def unknown_leaves(tree) -> list[str]:

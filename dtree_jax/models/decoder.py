@@ -1,5 +1,7 @@
-"""Dense targets, functional JAX: Qwen3 (``Qwen3ForCausalLM``), Llama (``LlamaForCausalLM``, with Llama 3.1
-RoPE scaling) and Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``), one code path switched by ``Qwen3Config``.
+"""The full-attention decoder, functional JAX: Qwen3 (``Qwen3ForCausalLM``), Qwen3-MoE (``Qwen3MoeForCausalLM``:
+``models.moe`` MLPs where ``moe_layers`` says), Llama (``LlamaForCausalLM``, with Llama 3.1 RoPE scaling) and
+Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``), one code path switched by ``DecoderConfig`` (this module was
+``models/qwen3.py``; the hybrid GDN stack is ``models/qwen3_5.py``).
 
 One ``forward`` serves every phase; the caller picks positions, ``lens`` and the local mask:
   * prefill: ``positions = arange(T)``, ``lens = 0``, causal ``local_mask`` (rows past a request's real length
@@ -18,8 +20,9 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from dtree_jax.models import moe
 from dtree_jax.models.cache import KVCache, causal_prefill, compact_kv, init_kv_cache
-from dtree_jax.models.config import Qwen3Config
+from dtree_jax.models.config import DecoderConfig
 from dtree_jax.models.layers import (
     LayerParams,
     Leaf,
@@ -31,6 +34,7 @@ from dtree_jax.models.layers import (
     load_layer,
     rms_norm,
     rope_tables,
+    swiglu,
     tap_features,
 )
 from dtree_jax.models.sharding import axes
@@ -38,7 +42,7 @@ from dtree_jax.models.sharding import axes
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Qwen3Params:
+class DecoderParams:
     embed: jax.Array = axes("vocab", None)  # [V, H]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array = axes(None)  # [H]
@@ -46,58 +50,65 @@ class Qwen3Params:
     lm_head: jax.Array | None = axes(None, "vocab")
 
 
-def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen3Config:
-    """``Qwen3Config.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
-    return Qwen3Config.from_hf(d, **overrides)
+def config_from_hf(d: Mapping[str, Any], **overrides) -> DecoderConfig:
+    """``DecoderConfig.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
+    return DecoderConfig.from_hf(d, **overrides)
 
 
-def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every HF checkpoint key -> HF shape (``lm_head.weight`` absent when tied)."""
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    for i in range(cfg.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer_hf_shapes(cfg).items()})
+    for i, sparse in enumerate(cfg.moe_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer_hf_shapes(cfg, not sparse).items()})
+        if sparse:
+            shapes.update(moe.hf_shapes(cfg, f"model.layers.{i}.mlp."))
     shapes["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
 
 
-def build_params(cfg: Qwen3Config, leaf: Leaf) -> Qwen3Params:
+def build_params(cfg: DecoderConfig, leaf: Leaf) -> DecoderParams:
     """The params pytree with each leaf made by ``leaf(hf_key, transpose)``: real tensors, abstract shapes, or
     the HF key itself (``dtree_jax.train.hf_tensors`` uses that to export)."""
-    return Qwen3Params(
+    def layer(i: int, sparse: bool) -> LayerParams:
+        p = f"model.layers.{i}."
+        dense = load_layer(leaf, p, cfg, dense_mlp=not sparse)
+        return dataclasses.replace(dense, moe=moe.load(cfg, leaf, p + "mlp.")) if sparse else dense
+
+    return DecoderParams(
         embed=leaf("model.embed_tokens.weight", False),
-        layers=tuple(load_layer(leaf, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)),
+        layers=tuple(layer(i, sparse) for i, sparse in enumerate(cfg.moe_layers)),
         final_norm=leaf("model.norm.weight", False),
         lm_head=None if cfg.tie_word_embeddings else leaf("lm_head.weight", True),
     )
 
 
-def params_from_hf(cfg: Qwen3Config, get: Callable[[str], Any], dtype) -> Qwen3Params:
+def params_from_hf(cfg: DecoderConfig, get: Callable[[str], Any], dtype) -> DecoderParams:
     """Params from HF tensors: ``get(key)`` is called once per key of ``hf_shapes(cfg)``."""
     return build_params(cfg, hf_leaf(hf_shapes(cfg), get, dtype))
 
 
-def abstract_params(cfg: Qwen3Config, dtype) -> Qwen3Params:
-    """``Qwen3Params`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
+def abstract_params(cfg: DecoderConfig, dtype) -> DecoderParams:
+    """``DecoderParams`` of ``jax.ShapeDtypeStruct`` (for orbax restore and shape checks)."""
     return build_params(cfg, abstract_leaf(hf_shapes(cfg), dtype))
 
 
-def init_cache(cfg: Qwen3Config, batch: int, max_len: int) -> KVCache:
+def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
     """Zero KV cache, per layer ``[batch, max_len, Hkv, D]`` in ``cfg.dtype``."""
     return init_kv_cache(cfg, batch, max_len)
 
 
-def embed(params: Qwen3Params, tokens: jax.Array) -> jax.Array:
+def embed(params: DecoderParams, tokens: jax.Array) -> jax.Array:
     """Token embeddings ``tokens [...]`` -> ``[..., H]`` (the params' dtype)."""
     return jnp.take(params.embed, tokens, axis=0)
 
 
-def embed_table(params: Qwen3Params) -> jax.Array:  # [V, H]
+def embed_table(params: DecoderParams) -> jax.Array:  # [V, H]
     return params.embed
 
 
-def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
+def lm_head(params: DecoderParams, cfg: DecoderConfig, x: jax.Array) -> jax.Array:
     """Output projection ``x [..., H]`` (already final-normed) -> fp32 logits ``[..., V]``: ``params.lm_head``
     when the params hold one (untied checkpoints, or a tied table given its own copy by ``api.cpu_layout``),
     else the embedding table."""
@@ -107,8 +118,8 @@ def lm_head(params: Qwen3Params, cfg: Qwen3Config, x: jax.Array) -> jax.Array:
 
 
 def forward(
-    params: Qwen3Params,
-    cfg: Qwen3Config,
+    params: DecoderParams,
+    cfg: DecoderConfig,
     tokens: jax.Array,  # [B, T] int32
     positions: jax.Array,  # [B, T] int32 RoPE positions
     cache: KVCache,
@@ -128,7 +139,7 @@ def forward(
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     ks, vs, tapped = [], [], {}
     for i, p in enumerate(params.layers):
-        x, k, v = decoder_layer(p, cfg, x, cos, sin, cache.k[i], cache.v[i], lens, local_mask)
+        x, k, v = decoder_layer(p, cfg, x, cos, sin, cache.k[i], cache.v[i], lens, local_mask, mlp=_mlp(cfg))
         ks.append(k)
         vs.append(v)
         if i in taps:
@@ -138,9 +149,18 @@ def forward(
     return lm_head(params, cfg, normed), feats, KVCache(k=tuple(ks), v=tuple(vs))
 
 
+def _mlp(cfg: DecoderConfig):
+    """A layer's MLP: its ``models.moe`` experts in an MoE layer, else the dense SwiGLU."""
+
+    def mlp(p: LayerParams, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+        return swiglu(p, x) if p.moe is None else moe.mlp_for(cfg, p.moe, x)
+
+    return mlp
+
+
 def prefill(
-    params: Qwen3Params,
-    cfg: Qwen3Config,
+    params: DecoderParams,
+    cfg: DecoderConfig,
     tokens: jax.Array,  # [B, P] int32 right-padded prompts
     cache: KVCache,  # fresh (init_cache)
     prompt_lens: jax.Array,  # [B] int32 real prompt lengths (>= 1)
@@ -154,7 +174,7 @@ def prefill(
 
 
 def commit(
-    cfg: Qwen3Config,
+    cfg: DecoderConfig,
     cache: KVCache,  # from forward (the tree's K/V at rows [lens, lens + N))
     lens: jax.Array,  # [B] int32 committed length before the verify
     path: jax.Array,  # [B, N] int32 accepted node indices in path order (path[:, 0] = 0, the root)
