@@ -352,7 +352,7 @@ def test_bad_input_names_file_and_key(tmp_path, what):
 
 
 def test_missing_model_module_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(families.FAMILIES, "qwen3",
+    monkeypatch.setitem(families.FAMILIES, "decoder",
                         dataclasses.replace(families.DENSE, module="dtree_jax.models.not_written_yet"))
     with pytest.raises(ValueError, match="needs dtree_jax.models.not_written_yet"):
         cv.load_hf(_save(tmp_path, _tensors(TARGET_CONFIG), TARGET_CONFIG))

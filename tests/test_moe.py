@@ -103,7 +103,7 @@ def test_a_routing_bug_breaks_parity(pair):
     swap = lambda w: w.at[jnp.array([0, 1])].set(w[jnp.array([1, 0])])  # noqa: E731
 
     def swapped(layer):
-        mlp = layer.moe if hasattr(layer, "moe") else layer.mlp
+        mlp = getattr(layer, "moe", getattr(layer, "mlp", None))
         if mlp is None or not hasattr(mlp, "router"):
             return layer
         mlp = dataclasses.replace(mlp, w_gate=swap(mlp.w_gate), w_up=swap(mlp.w_up), w_down=swap(mlp.w_down))

@@ -50,6 +50,15 @@ class DecoderParams:
     lm_head: jax.Array | None = axes(None, "vocab")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoELayerParams(LayerParams):
+    """An MoE layer (Qwen3-MoE): a decoder layer whose MLP is ``moe`` (its dense MLP fields are None).  Dense
+    layers stay ``LayerParams``, so converted dense checkpoints keep their tree."""
+
+    moe: moe.MoEParams
+
+
 def config_from_hf(d: Mapping[str, Any], **overrides) -> DecoderConfig:
     """``DecoderConfig.from_hf``; ``overrides`` sets ``dtype`` / ``attention_impl``."""
     return DecoderConfig.from_hf(d, **overrides)
@@ -74,7 +83,10 @@ def build_params(cfg: DecoderConfig, leaf: Leaf) -> DecoderParams:
     def layer(i: int, sparse: bool) -> LayerParams:
         p = f"model.layers.{i}."
         dense = load_layer(leaf, p, cfg, dense_mlp=not sparse)
-        return dataclasses.replace(dense, moe=moe.load(cfg, leaf, p + "mlp.")) if sparse else dense
+        if not sparse:
+            return dense
+        fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}
+        return MoELayerParams(**fields, moe=moe.load(cfg, leaf, p + "mlp."))
 
     return DecoderParams(
         embed=leaf("model.embed_tokens.weight", False),
@@ -153,7 +165,7 @@ def _mlp(cfg: DecoderConfig):
     """A layer's MLP: its ``models.moe`` experts in an MoE layer, else the dense SwiGLU."""
 
     def mlp(p: LayerParams, x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-        return swiglu(p, x) if p.moe is None else moe.mlp_for(cfg, p.moe, x)
+        return moe.mlp_for(cfg, p.moe, x) if isinstance(p, MoELayerParams) else swiglu(p, x)
 
     return mlp
 

@@ -42,7 +42,6 @@ class LayerParams:
     w_gate: jax.Array | None = axes(None, "mlp")  # [H, I] (None in an MoE layer)
     w_up: jax.Array | None = axes(None, "mlp")  # [H, I]
     w_down: jax.Array | None = axes("mlp", None)  # [I, H]
-    moe: Any = None  # an MoE layer's ``models.moe.MoEParams`` (None: the dense SwiGLU above)
 
 
 @jax.tree_util.register_dataclass
@@ -112,7 +111,7 @@ def layer_hf_shapes(cfg: DecoderConfig, dense_mlp: bool = True) -> dict[str, tup
 def load_layer(leaf: Leaf, prefix: str, cfg: DecoderConfig | None = None, dense_mlp: bool = True) -> LayerParams:
     """Builds one layer from ``leaf(hf_key, transpose)`` with HF keys ``{prefix}{LAYER_KEYS name}``; the
     fields ``cfg`` does not have are None (``cfg=None``: a Qwen3 layer, see ``layer_keys``; an MoE layer's
-    caller sets ``moe``)."""
+    caller adds its experts: ``models.decoder.MoELayerParams``)."""
     present = {field: leaf(prefix + key, t) for key, field, t in layer_keys(cfg, dense_mlp)}
     return LayerParams(**{field: present.get(field) for _, field, _ in LAYER_KEYS})
 
@@ -347,7 +346,7 @@ def decoder_layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Qwen3 decoder layer; returns the new residual stream and the caches with the T new rows written.
     ``window``: sliding-window attention (see ``attend``); ``mlp(p, x)``: the layer's MLP (an MoE model's
-    dispatches on ``p.moe``)."""
+    dispatches on the layer's type)."""
     b, t, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     q = _project(h, p.wq, p.bq).reshape(b, t, cfg.num_heads, cfg.head_dim)
