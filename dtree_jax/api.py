@@ -78,7 +78,7 @@ def generate(
     if budget == "auto":
         method, budget, auto = choose_auto(target, drafter, method, calibration, knobs, (*req.inputs, req.temperature))
     spec = make_spec(target, drafter, method, budget=budget, stream=stream is not None, **knobs)
-    check_memory(spec, target, drafter, len(req.prompts))
+    check_memory(spec, target, drafter, len(req.prompts), prompt_bucket=req.prompt_bucket)
     dparams = drafter.params if spec.record.drafts else None
     args = (spec, target.params, dparams, *req.inputs, req.temperature)
     sink = (lambda toks, num: stream([t[:n].tolist() for t, n in zip(toks, num)])) if stream else None

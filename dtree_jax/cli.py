@@ -20,7 +20,10 @@ _SUBCOMMAND_MODULES = ("dtree_jax.demo", "dtree_jax.convert", "dtree_jax.aot")
 SHIPPED_DRAFTER = "smollm2-domino"  # the main job's drafter; its target is SmolLM2-135M-Instruct's GGUF
 SHIPPED_TINY = ("tiny-target", "tiny-domino")  # the byte-level pair of the fast tests
 DEFAULT_REQUEST = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
-EXPECTED_ERRORS = (ValueError, OSError, UnicodeDecodeError)  # json.JSONDecodeError is a ValueError
+# Errors caused by input (a flag, a file, a checkpoint): readers raise ValueError naming the file, the OS raises
+# OSError; a MemoryError or the device's out-of-memory error (``_out_of_memory``) comes from what was asked for.
+EXPECTED_ERRORS = (ValueError, OSError, MemoryError)
+PROMPTS_FILE_LIMIT = 4 * 2**20  # bytes of --prompts-file read at most (a prompt is bounded by the target's positions)
 
 
 def checkpoints_dir() -> pathlib.Path:
@@ -64,8 +67,12 @@ def _read_prompts(args) -> tuple[list, bool]:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         return [ids], False
     if args.prompts_file is not None:
+        with open(args.prompts_file, "rb") as f:  # a FIFO or a device too, but never more than the cap
+            data = f.read(PROMPTS_FILE_LIMIT + 1)
+        if len(data) > PROMPTS_FILE_LIMIT:
+            raise ValueError(f"--prompts-file {args.prompts_file}: more than {PROMPTS_FILE_LIMIT // 2**20} MiB; split it")
         try:
-            text = pathlib.Path(args.prompts_file).read_text(encoding="utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"--prompts-file {args.prompts_file}: not utf-8 text ({e})") from None
         texts = [t for t in text.splitlines() if t.strip()]
@@ -247,6 +254,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _seed_arg(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {value!r}")
+    return n
+
+
 def _budget_arg(value: str):
     if value == "auto":
         return value
@@ -291,7 +308,7 @@ def add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (lossless)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=_seed_arg, default=0, help="sampling seed (0 to 2**32 - 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default=None,
                    help="attention (and tree-GDN verify) implementation: the jnp/XLA path or the Pallas kernels "
@@ -332,14 +349,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+    """What an out-of-memory error says, as one line: a MemoryError on the host, or XLA's RESOURCE_EXHAUSTED when
+    compiling or running; None for any other error."""
+    if isinstance(e, MemoryError):
+        return "out of host memory; lower max_new_tokens, the prompt length, the budget or the batch"
+    if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "RESOURCE_EXHAUSTED" in str(e):
+        first = str(e).strip().splitlines()[0][:300]
+        return f"out of device memory ({first}); lower max_new_tokens, the prompt length, the budget or the batch"
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except EXPECTED_ERRORS as e:
-        if args.debug:
+    except Exception as e:
+        expected = isinstance(e, EXPECTED_ERRORS) and not isinstance(e, MemoryError)
+        message = _one_line(e) if expected else _out_of_memory(e)
+        if args.debug or message is None:
             raise
-        print(f"dtree-jax: error: {e}", file=sys.stderr)
+        print(f"dtree-jax: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dtree-jax: interrupted", file=sys.stderr)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import signal
-import stat
 import sys
 import tempfile
 import threading
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dtree_jax import checkpoint_files
 from dtree_jax.cost import CALIBRATION_FILE
 from dtree_jax.models import families, moe
 
@@ -64,17 +65,14 @@ _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def read_config(path: str | Path) -> dict:
-    """The parsed ``config.json`` of a model directory (or that JSON file itself)."""
-    file = Path(path) if Path(path).suffix == ".json" and Path(path).is_file() else Path(path) / "config.json"
-    if not file.is_file():
-        raise ValueError(f"{file}: not found (expected a model directory with config.json)")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: invalid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return config
+    """The parsed ``config.json`` of a model directory (or that JSON file itself), read through
+    ``checkpoint_files`` (inside the directory, a regular file, size-capped)."""
+    path = Path(path)
+    if path.suffix == ".json" and path.is_file():
+        return checkpoint_files.read_json(path.parent, path.name)
+    if not checkpoint_files.present(path, "config.json"):
+        raise ValueError(f"{path / 'config.json'}: not found (expected a model directory with config.json)")
+    return checkpoint_files.read_json(path, "config.json")
 
 
 def model_kind(config: dict, config_file: str | Path = "config.json") -> str:
@@ -181,23 +179,8 @@ class _TorchFile:
             return t.numpy()
 
 
-def checkpoint_file(root: Path, name: str | Path) -> Path:
-    """``root / name`` if it is a regular file inside ``root`` once symlinks are resolved; a ValueError otherwise
-    (a path leading out of the checkpoint, a FIFO or device, a directory).  Nothing outside the directory the
-    user named is ever read or copied."""
-    file = Path(root) / name
-    resolved, base = file.resolve(), Path(root).resolve()
-    if not resolved.is_relative_to(base):
-        raise ValueError(f"{file}: leads outside the checkpoint directory {root} (to {resolved}); refusing to read it")
-    if not resolved.exists():
-        raise ValueError(f"{file}: not found")
-    if not stat.S_ISREG(resolved.stat().st_mode):
-        raise ValueError(f"{file}: not a regular file; refusing to read it")
-    return file
-
-
 def _open_file(file: Path) -> _SafetensorsFile | _TorchFile:
-    file = checkpoint_file(file.parent, file.name)
+    file = checkpoint_files.confined(file.parent, file.name)
     return _SafetensorsFile(file) if file.suffix == ".safetensors" else _TorchFile(file)
 
 
@@ -212,7 +195,7 @@ class CheckpointReader:
         self._where: dict[str, Path] = {}  # checkpoint key -> file
         self._files: dict[Path, _SafetensorsFile | _TorchFile] = {}
         index = self.path / "model.safetensors.index.json"
-        if index.is_file():
+        if checkpoint_files.present(self.path, index.name):
             self.source = index
             self._read_index(index)
             return
@@ -244,16 +227,15 @@ class CheckpointReader:
             del self._where[fused]
 
     def _read_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: invalid safetensors index ({type(e).__name__}: {e})") from e
+        weight_map = checkpoint_files.read_json(self.path, index.name).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: invalid safetensors index (weight_map must map keys to file names)")
         for key, name in weight_map.items():
             file = self.path / str(name)
             if file not in self._files:
                 if not (self.path / str(name)).exists():
                     raise ValueError(f"{index}: shard {name!r} holding {key!r} not found")
-                self._files[file] = _open_file(checkpoint_file(self.path, str(name)))
+                self._files[file] = _open_file(checkpoint_files.confined(self.path, str(name)))
             if key not in self._files[file].keys():
                 raise ValueError(f"{file}: key {key!r} listed in {index.name} is not in this shard")
             self._where[key] = file
@@ -471,7 +453,7 @@ def _convert_one(src: Path, dst: Path, role: str, dtype: str, progress: bool) ->
         extra = (CALIBRATION_FILE,) if role == "drafter" else ()
         for name in ("config.json", *TOKENIZER_FILES, *extra):
             if name == "config.json" or (model.path / name).exists() or (model.path / name).is_symlink():
-                shutil.copyfile(checkpoint_file(model.path, name), dst / name)
+                shutil.copyfile(checkpoint_files.confined(model.path, name), dst / name)
     # Synchronous (no background writer): an interrupt stops the save in this thread, so the caller's cleanup
     # never races a writer still filling the directory it removes.
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
@@ -495,20 +477,65 @@ def convert(
 
     The result is built in a temporary sibling directory and renamed into place, so ``out_dir`` is untouched
     unless the whole conversion succeeds.  An existing non-empty ``out_dir`` is replaced only with
-    ``overwrite``.
+    ``overwrite``; a symlink ``out_dir`` is followed (the conversion lands where it points).  Conversions and
+    loads of one ``out_dir`` are serialised by ``destination_lock``: a second conversion waits for the first,
+    then finds ``out_dir`` taken.
     Returns a summary: ``{"out", "dtype", "models": {role: kind}, "keys", "bytes", "seconds"}``.
     """
     start = time.perf_counter()
     out = Path(out_dir).absolute()
+    out = out.resolve() if out.is_symlink() else out
     dtype = _dtype(dtype, {}).name
     for src in (target_dir, drafter_dir):
         if src is not None and (Path(src).resolve() == out.resolve() or Path(src).resolve().is_relative_to(out.resolve())):
             raise ValueError(f"--out {out} holds the input {src}; converting into it could delete it, choose "
                              "another --out")
+    _check_replaceable(out, overwrite)
+    with destination_lock(out):
+        _check_replaceable(out, overwrite)  # again: another process may have filled it while this one waited
+        summary = _convert_into(out, target_dir, drafter_dir, dtype, progress)
+    summary["seconds"] = time.perf_counter() - start
+    return summary
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise ValueError(f"{out}: exists and is not an empty directory; pass overwrite=True (--overwrite)")
+
+
+@contextlib.contextmanager
+def destination_lock(out: Path, shared: bool = False):
+    """Holds the lock of conversion destination ``out`` (a file under ``cache_dir()/locks`` named by the hash of
+    ``out``'s resolved path, so no lock file litters the user's directories): exclusive to write ``out``,
+    ``shared`` to read it (a load; only when some conversion ever made that lock), so no process reads a
+    directory another is swapping and two conversions into ``out`` never both install.  Waits for the holder,
+    saying so on stderr.  Where the cache cannot be written, nothing is locked."""
+    name = hashlib.sha256(str(Path(out).absolute().resolve()).encode()).hexdigest()[:32]
+    lock = cache_dir() / "locks" / f"{name}.lock"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        if not shared:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for another dtree-jax process {'writing' if shared else 'using'} {out}",
+                      file=sys.stderr, flush=True)
+                fcntl.flock(fd, mode)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _convert_into(out: Path, target_dir, drafter_dir, dtype: str, progress: bool) -> dict:
+    """The conversion itself, with ``out``'s lock held: built in a temporary sibling, then installed."""
+    try:
         _remove_stale_partials(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as e:
@@ -525,21 +552,30 @@ def convert(
                 summary["models"][role] = kind
                 summary["keys"] += stats.keys
                 summary["bytes"] += stats.bytes
-        if out.exists():
-            old = tmp.with_name(tmp.name + ".old")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
-    summary["seconds"] = time.perf_counter() - start
     return summary
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Renames the finished ``tmp`` to ``out``; an existing ``out`` is moved aside first, put back if the
+    rename fails, and removed once ``tmp`` is in place."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = tmp.with_name(tmp.name + ".old")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old)
 
 
 def _raise_interrupt(signum, frame):
@@ -560,12 +596,10 @@ def _remove_stale_partials(out: Path) -> None:
 
 
 def _read_meta(path: Path) -> dict:
-    file = path / META_FILE
-    try:
-        meta = json.loads(file.read_text())
-        return {"kind": meta["kind"], "dtype": meta["dtype"]}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{file}: not a converted dtree_jax model ({type(e).__name__}: {e})") from e
+    meta = checkpoint_files.read_json(path, META_FILE)
+    if not all(isinstance(meta.get(k), str) for k in ("kind", "dtype")):
+        raise ValueError(f"{path / META_FILE}: not a converted dtree_jax model (needs string 'kind' and 'dtype')")
+    return {"kind": meta["kind"], "dtype": meta["dtype"]}
 
 
 def load_converted(path: str | Path, shardings: Any = None, mesh: Any = None) -> tuple[str, Any, Any]:
@@ -593,8 +627,10 @@ def load_converted(path: str | Path, shardings: Any = None, mesh: Any = None) ->
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    with ocp.StandardCheckpointer() as ckptr, _file_errors(path / PARAMS_DIR, "restore orbax params"):
-        params = ckptr.restore(path / PARAMS_DIR, target)
+    with destination_lock(path.parent, shared=True):  # not while a conversion swaps the directory
+        params_dir = checkpoint_files.confined_tree(path, PARAMS_DIR)
+        with ocp.StandardCheckpointer() as ckptr, _file_errors(params_dir, "restore orbax params"):
+            params = ckptr.restore(params_dir, target)
     return meta["kind"], cfg, params
 
 
@@ -633,11 +669,11 @@ def model_dir(path: str | Path, *, progress: bool = True, weights: bool = True) 
     out = cache_dir() / f"{file.stem}-{key[:16]}"
     if (out / "target" / META_FILE).is_file():
         return out / "target"
+    from dtree_jax.gguf import GGUFCheckpoint
+
     if not weights:  # beside the conversion's directory, which a later conversion replaces whole
         files = out.with_name(out.name + "-files")
         if not (files / "config.json").is_file():
-            from dtree_jax.gguf import GGUFCheckpoint
-
             files.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{files.name}.partial-", dir=files.parent))
             try:
@@ -650,8 +686,11 @@ def model_dir(path: str | Path, *, progress: bool = True, weights: bool = True) 
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return files
-    print(f"converting {file} to {out} (once; later runs reuse it)", file=sys.stderr)
-    convert(file, out_dir=out, dtype=GGUF_CACHE_DTYPE, overwrite=True, progress=progress)
+    GGUFCheckpoint(file)  # a bad file is refused before anything is said or written
+    with destination_lock(out):
+        if not (out / "target" / META_FILE).is_file():  # else another process converted it while this one waited
+            print(f"converting {file} to {out} (once; later runs reuse it)", file=sys.stderr)
+            _convert_into(out, file, None, GGUF_CACHE_DTYPE, progress)
     return out / "target"
 
 

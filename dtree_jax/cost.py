@@ -9,10 +9,11 @@ batch B verifies ``B * N`` tokens: past the ridge every unused branch is paid-fo
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Callable, Mapping
+
+from dtree_jax import checkpoint_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +217,4 @@ def load_calibration(calibration: dict | str | None, drafter_dir: str | None) ->
             f"budget='auto' needs a calibration ({CALIBRATION_FILE} beside the drafter, or calibration=...); "
             "experiments/run_experiments.py measures one"
         )
-    try:
-        return json.loads(pathlib.Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"calibration file {path} is not valid JSON ({e})") from None
+    return checkpoint_files.read_json(pathlib.Path(path).parent, pathlib.Path(path).name)

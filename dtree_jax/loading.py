@@ -5,13 +5,13 @@ a tuple or a ``Model``, optionally placed on a mesh), the CPU layout of a tied o
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from dtree_jax import checkpoint_files
 from dtree_jax.models import families, sharding
 
 
@@ -44,15 +44,19 @@ class Model:
 
 
 def eos_ids(path) -> tuple[int, ...]:
-    """EOS ids from ``generation_config.json`` (preferred) or ``config.json`` (int or list)."""
+    """EOS ids from ``generation_config.json`` (preferred) or ``config.json`` (an int or a list of ints, also
+    under ``text_config``), read through ``checkpoint_files``; a ValueError naming the file for any other value."""
     for name in ("generation_config.json", "config.json"):
-        f = pathlib.Path(path) / name
-        if f.is_file():
-            d = json.loads(f.read_text())
-            d = d.get("text_config", d) if "eos_token_id" not in d else d
+        if checkpoint_files.present(path, name):
+            d = checkpoint_files.read_json(path, name)
+            d = d.get("text_config", d) if "eos_token_id" not in d and isinstance(d.get("text_config"), dict) else d
             eos = d.get("eos_token_id")
             if eos is not None:
-                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+                eos = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+                    raise ValueError(f"{pathlib.Path(path) / name}: eos_token_id must be a token id or a list of "
+                                     f"them, got {d['eos_token_id']!r}")
+                return tuple(eos)
     return ()
 
 

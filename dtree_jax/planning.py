@@ -61,10 +61,12 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_estimate(spec: loop.Spec, target: Model, drafter: Model | None, batch: int) -> dict:
+def memory_estimate(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, prompt_bucket: int = 0
+                    ) -> dict:
     """A generation's memory per device in bytes, from shapes alone (params may be abstract): the params and
     caches as the sharding table splits them over ``spec.mesh``, a round's logits (target, softmax, drafter
-    block) and tree mask + one layer's attention scores for each device's requests and heads."""
+    block) and tree mask + one layer's attention scores for each device's requests and heads, and the prefill
+    of ``prompt_bucket`` tokens (one layer's attention scores, their softmax and the MLP's activations)."""
     mesh = spec.mesh if spec.mesh is not None else sharding.make_mesh(devices=jax.devices()[:1])
     nbytes = lambda tree, cfg: sharding.per_device_bytes(tree, mesh, cfg)  # noqa: E731  one device's share
     n, cache_len = spec.num_nodes, spec.cache_len
@@ -80,6 +82,7 @@ def memory_estimate(spec: loop.Spec, target: Model, drafter: Model | None, batch
                      target.cfg),
         logits=3 * rows * n * vocab * 4,
         tree=rows * n * n + 4 * rows * n * (cache_len + n) * heads,
+        prefill=4 * rows * prompt_bucket * (3 * heads * prompt_bucket + 3 * _intermediate(spec.target_cfg) // model),
     )
     if spec.drafter_cfg is not None:
         est["cache"] += nbytes(jax.eval_shape(
@@ -87,15 +90,23 @@ def memory_estimate(spec: loop.Spec, target: Model, drafter: Model | None, batch
     return est
 
 
-def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8) -> dict:
+def _intermediate(cfg) -> int:
+    """The widest MLP activation per token of a target config (dense, or every routed expert's of a MoE)."""
+    routed = (getattr(cfg, "num_experts_per_tok", 0) or 0) * (getattr(cfg, "moe_intermediate_size", 0) or 0)
+    return max(getattr(cfg, "intermediate_size", 0) or 0, getattr(cfg, "hidden_size", 0) or 0, routed)
+
+
+def check_memory(spec: loop.Spec, target: Model, drafter: Model | None, batch: int, fraction: float = 0.8,
+                 prompt_bucket: int = 0) -> dict:
     """``memory_estimate`` before anything is compiled; raises a ValueError naming the knob to lower when it
     exceeds ``fraction`` of the device's memory.  Returns the estimate (bytes)."""
-    est = memory_estimate(spec, target, drafter, batch)
+    est = memory_estimate(spec, target, drafter, batch, prompt_bucket)
     limit = fraction * device_memory_bytes()
     if sum(est.values()) > limit:
         biggest = max(est, key=est.get)
         knob = dict(params="a smaller model or dtype, or a mesh", cache="max_new_tokens, the prompt length or the batch",
-                    logits="budget or the batch", tree="budget or the batch")[biggest]
+                    logits="budget or the batch", tree="budget or the batch",
+                    prefill="the prompt length or the batch")[biggest]
         raise ValueError(
             f"this generation needs about {sum(est.values()) / 2**30:.1f} GiB per device ({biggest}: "
             f"{est[biggest] / 2**30:.1f} GiB) but the device has {limit / fraction / 2**30:.1f} GiB; lower {knob}")
@@ -250,8 +261,8 @@ def encode_requests(target: Model, prompts, *, chat: bool, stop_ids, temperature
     check_token_ids(stop_ids, vocab, "stop_ids")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
     longest = max(len(p) for p in prompts)
     _check_positions(target, longest, max_new_tokens)
     prompt_bucket = bucket(longest) if prompt_bucket is None else prompt_bucket

@@ -11,6 +11,12 @@ All three give the same output (checked).  Reported: median milliseconds over ``
 the ratio to one token, the distinct experts the tokens touch and the fp32 bytes those experts hold (what a
 memory-bound step must read).  Results: ``experiments/results/bench_moe.json``.
 
+``placement`` (no timing; a count over random routings): on a ``model`` axis of m devices, what the busiest
+device must read of the routed experts' weights, in whole experts, when the experts are split by their
+intermediate dimension (every device 1/m of every routed expert: ``models.moe``'s layout) and when they are
+placed whole, E/m per device (expert parallelism: the device holding the most routed experts sets the step's
+time), for Qwen3-30B-A3B (128 experts, top 8) and Qwen3.6-35B-A3B (256, top 8), each token routed uniformly.
+
     python experiments/bench_moe.py [--repeats 30]
 """
 
@@ -35,6 +41,24 @@ from dtree_jax.models import moe  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "bench_moe.json"
 H, E, K, I = 2048, 128, 8, 768  # Qwen3-30B-A3B
 WIDTHS = (1, 5, 33)
+MODEL_AXIS = (4, 8, 16)
+
+
+def placement(experts: int, top_k: int, trials: int = 2000, seed: int = 0) -> list[dict]:
+    """Per verify width and model-axis size: the mean over ``trials`` uniform routings of the busiest device's
+    read in whole experts, sliced (distinct routed experts / m) and whole (max routed experts on one device)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for width in WIDTHS:
+        chosen = np.argsort(rng.random((trials, width, experts)), axis=-1)[..., :top_k].reshape(trials, -1)
+        touched = np.zeros((trials, experts), bool)
+        np.put_along_axis(touched, chosen, True, axis=1)
+        for m in MODEL_AXIS:
+            sliced = touched.sum(1) / m
+            whole = touched.reshape(trials, m, experts // m).sum(2).max(1)
+            rows.append(dict(tokens=width, model=m, sliced=float(sliced.mean()), whole=float(whole.mean()),
+                             whole_vs_sliced=float((whole / sliced).mean())))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -77,7 +101,9 @@ def main(argv=None) -> int:
                    jax=jax.__version__)
     args.out.write_text(json.dumps(dict(machine=machine, layer=dict(hidden=H, experts=E, top_k=K, expert_width=I,
                                                                      dtype="float32"),
-                                        repeats=args.repeats, rows=rows), indent=1) + "\n")
+                                        repeats=args.repeats, rows=rows,
+                                        placement={"qwen3-30b-a3b": placement(128, 8),
+                                                   "qwen3.6-35b-a3b": placement(256, 8)}), indent=1) + "\n")
     return 0
 
 

@@ -233,7 +233,7 @@ def test_gguf_cache_converts_once(tmp_path, monkeypatch):
     assert target.path.startswith(str(tmp_path / "cache")) and (
         os.path.isfile(f"{target.path}/tokenizer.json")
     )
-    monkeypatch.setattr(cv, "convert", lambda *a, **k: pytest.fail("converted again"))
+    monkeypatch.setattr(cv, "_convert_into", lambda *a, **k: pytest.fail("converted again"))
     assert cv.model_dir(file) == cv.model_dir(str(file)) and str(cv.model_dir(file)) == target.path
     os.utime(file, ns=(1, 1))  # a changed file gets a new cache entry
     with pytest.raises(pytest.fail.Exception, match="converted again"):

@@ -1,9 +1,17 @@
-"""Static, hashable model configs built from HF ``config.json`` dicts (pass them to jitted code as is)."""
+"""Static, hashable model configs built from HF ``config.json`` dicts (pass them to jitted code as is).
+
+A checkpoint's config is untrusted: every field is read by one of the typed readers (``config_int``,
+``config_ints``, ``config_float``, ``config_bool``, ``config_str``, ``config_strs``, ``config_dict``), which
+refuse a value of the wrong JSON type or outside its sane range (``MAX_LAYERS``, ...) with a ValueError naming
+the field, before anything is built from it."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import numbers
+import reprlib
+import sys
+from typing import Any, Callable, Mapping, NoReturn
 
 import jax.numpy as jnp
 
@@ -25,32 +33,141 @@ class Llama3RoPE:
     original_max_position_embeddings: int
 
 
+# Sane upper limits for HF config fields: past them a config is refused before anything is built from it.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_WIDTH = 2**20  # hidden, intermediate and head sizes
+MAX_VOCAB = 2**24
+MAX_EXPERTS = 4096
+MAX_POSITIONS = 2**30
+MAX_BLOCK = 1024  # a drafter's block_size
+MAX_CONV_KERNEL = 1024
+_REQUIRED = object()  # ``default`` of a field that must be present
+
+
+def _refuse(key: str, expected: str, value: Any) -> NoReturn:
+    """The ValueError of a malformed field: ``key: expected ..., got <value, shortened>``."""
+    raise ValueError(f"{key}: expected {expected}, got {reprlib.repr(value)}")
+
+
+def _read(d: Mapping[str, Any], key: str, default: Any, parse: Callable[[Any], Any]) -> Any:
+    """``parse(d[key])``; ``default`` (returned as is) when the field is absent or null, a ValueError when it
+    is required (``default`` not given)."""
+    value = d.get(key)
+    if value is not None:
+        return parse(value)
+    if default is _REQUIRED:
+        raise ValueError(f"config is missing required field {key!r}")
+    return default
+
+
+def _integer(value: Any, key: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``: a JSON integer or an integral float (``2.0``), never a bool, a
+    fractional, infinite or NaN float, or a string."""
+    integral = isinstance(value, numbers.Integral) or isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not integral or not low <= value <= high:
+        _refuse(key, f"an integer in [{low}, {high}]", value)
+    return int(value)
+
+
+def config_int(d: Mapping[str, Any], key: str, *, default: Any = _REQUIRED, low: int = 1,
+               high: int = MAX_WIDTH) -> int:
+    """Integer field ``key`` of an HF config dict, in ``[low, high]``: a JSON integer or an integral float
+    (``2.0``), not a bool, a fractional float (``2.7``), Infinity, NaN or a string; absent or null:
+    ``default``."""
+    return _read(d, key, default, lambda v: _integer(v, key, low, high))
+
+
+def config_ints(d: Mapping[str, Any], key: str, *, default: Any = _REQUIRED, low: int = 0,
+                high: int = MAX_LAYERS - 1, max_len: int = MAX_LAYERS) -> tuple[int, ...]:
+    """A list of at most ``max_len`` integers, each in ``[low, high]``; absent or null: ``default``."""
+
+    def parse(value):
+        if not isinstance(value, (list, tuple)) or len(value) > max_len:
+            _refuse(key, f"a list of at most {max_len} integers", value)
+        return tuple(_integer(v, f"{key}[{i}]", low, high) for i, v in enumerate(value))
+
+    return _read(d, key, default, parse)
+
+
+def config_float(d: Mapping[str, Any], key: str, *, default: Any = _REQUIRED,
+                 positive: bool = False) -> float:
+    """A finite number (a JSON integer or float, not a bool), ``> 0`` when ``positive``; absent or null:
+    ``default``."""
+
+    def parse(value):
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (real and abs(value) <= sys.float_info.max) or positive and value <= 0:  # NaN fails the bound
+            _refuse(key, f"a finite{' positive' if positive else ''} number", value)
+        return float(value)
+
+    return _read(d, key, default, parse)
+
+
+def config_bool(d: Mapping[str, Any], key: str, default: bool | None) -> bool | None:
+    """A JSON boolean (not 0 / 1 or a string); absent or null: ``default``."""
+    return _read(d, key, default, lambda v: v if isinstance(v, bool) else _refuse(key, "true or false", v))
+
+
+def config_str(d: Mapping[str, Any], key: str, *, default: Any = _REQUIRED) -> str:
+    """A JSON string; absent or null: ``default``."""
+    return _read(d, key, default, lambda v: v if isinstance(v, str) else _refuse(key, "a string", v))
+
+
+def config_strs(d: Mapping[str, Any], key: str, *, default: Any = _REQUIRED,
+                choices: tuple[str, ...] | None = None, length: int | None = None) -> tuple[str, ...]:
+    """A list of strings (each one of ``choices`` when given; ``length`` of them when given); absent or null:
+    ``default``."""
+
+    def parse(value):
+        ok = isinstance(value, (list, tuple)) and (length is None or len(value) == length)
+        if not ok or not all(isinstance(s, str) and (choices is None or s in choices) for s in value):
+            counted = "a list of" if length is None else f"a list of {length}"
+            _refuse(key, f"{counted} strings" + ("" if choices is None else f" from {list(choices)}"), value)
+        return tuple(value)
+
+    return _read(d, key, default, parse)
+
+
+def config_dict(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """A JSON object field (``rope_parameters``, ``text_config``, ...); absent or null: ``{}``."""
+    return _read(d, key, {}, lambda v: v if isinstance(v, Mapping) else _refuse(key, "a JSON object", v))
+
+
+def rope_parameter(d: Mapping[str, Any], key: str, default: Any = None) -> float | None:
+    """Positive RoPE parameter ``key`` from ``rope_parameters`` (transformers 5 saves), else the top level
+    (the hub form); absent: ``default``."""
+    rp = config_dict(d, "rope_parameters")
+    return config_float(rp if rp.get(key) is not None else d, key, default=default, positive=True)
+
+
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _rope(d: Mapping[str, Any], allowed: tuple[str, ...] = ("default",)) -> tuple[float, Llama3RoPE | None]:
     """``(rope_theta, llama3 scaling or None)`` from ``rope_parameters`` (transformers 5 saves) or the hub
     form (top-level ``rope_theta``, ``rope_scaling``); any RoPE type outside ``allowed`` is refused."""
-    rp = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    kinds = {spec.get("rope_type", spec.get("type", "default")) for spec in (rp, scaling)} - {"default"}
+    rp, scaling = config_dict(d, "rope_parameters"), config_dict(d, "rope_scaling")
+    kinds = {config_str(spec, "rope_type", default=config_str(spec, "type", default="default"))
+             for spec in (rp, scaling)} - {"default"}
     if len(kinds) > 1 or not kinds <= set(allowed):
         raise ValueError(f"unsupported rope_type {sorted(kinds)}: implemented here: {list(allowed)}")
-    theta = rp.get("rope_theta", d.get("rope_theta"))
+    theta = rope_parameter(d, "rope_theta")
     if theta is None:
         raise ValueError("config has neither rope_theta nor rope_parameters.rope_theta")
     if not kinds:
-        return float(theta), None
+        return theta, None
     spec = {**scaling, **rp}
-    try:
-        llama3 = Llama3RoPE(
-            factor=float(spec["factor"]),
-            low_freq_factor=float(spec["low_freq_factor"]),
-            high_freq_factor=float(spec["high_freq_factor"]),
-            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ValueError(f"rope_type llama3 needs {e.args[0]!r} in rope_parameters / rope_scaling") from None
+    missing = [key for key in _LLAMA3_FIELDS if spec.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_type llama3 needs {missing[0]!r} in rope_parameters / rope_scaling")
+    llama3 = Llama3RoPE(
+        *(config_float(spec, key, positive=True) for key in _LLAMA3_FIELDS[:3]),
+        original_max_position_embeddings=config_int(spec, _LLAMA3_FIELDS[3], high=MAX_POSITIONS),
+    )
     if llama3.high_freq_factor <= llama3.low_freq_factor:
         raise ValueError("rope_type llama3 needs high_freq_factor > low_freq_factor")
-    return float(theta), llama3
+    return theta, llama3
 
 
 def _rope_theta(d: Mapping[str, Any]) -> float:
@@ -68,7 +185,8 @@ def check_kv_heads(cfg) -> None:
     if isinstance(cfg.kv_head_repeat, bool) or not isinstance(cfg.kv_head_repeat, int) or cfg.kv_head_repeat < 1:
         raise ValueError(f"kv_head_repeat must be a positive integer, got {cfg.kv_head_repeat!r}")
     if cfg.num_heads % (cfg.num_kv_heads * cfg.kv_head_repeat):
-        raise ValueError(f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}"
+        raise ValueError(f"num_heads={cfg.num_heads} (num_attention_heads) is not a multiple of "
+                         f"num_kv_heads={cfg.num_kv_heads} (num_key_value_heads)"
                          + (f" x kv_head_repeat={cfg.kv_head_repeat}" if cfg.kv_head_repeat > 1 else ""))
 
 
@@ -83,16 +201,41 @@ def moe_fields(text: Mapping[str, Any], num_layers: int, enabled: bool) -> dict[
     ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size`` (0: none) and
     ``norm_topk_prob``; every layer dense when not ``enabled`` (a dense model type) or without experts.  The
     expert count is ``num_experts`` (the hub's configs) or ``num_local_experts`` (what transformers 5 writes)."""
-    experts = int(text.get("num_experts") or text.get("num_local_experts") or 0) if enabled else 0
-    size = lambda key: int(text.get(key, 0) or 0) if experts else 0  # noqa: E731
-    step, only = int(text.get("decoder_sparse_step", 1) or 1), set(text.get("mlp_only_layers") or ())
+    count = lambda key: config_int(text, key, default=0, low=0, high=MAX_EXPERTS)  # noqa: E731
+    experts = (count("num_experts") or count("num_local_experts")) if enabled else 0
+    if not experts:
+        return dict(moe_layers=(False,) * num_layers, num_experts=0, num_experts_per_tok=0,
+                    moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=True)
+    step = config_int(text, "decoder_sparse_step", default=1, high=MAX_LAYERS)
+    only = set(config_ints(text, "mlp_only_layers", default=(), high=num_layers - 1))
     return dict(
-        moe_layers=tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(num_layers)),
+        moe_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers)),
         num_experts=experts,
-        num_experts_per_tok=size("num_experts_per_tok"),
-        moe_intermediate_size=size("moe_intermediate_size"),
-        shared_expert_intermediate_size=size("shared_expert_intermediate_size"),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if experts else True,
+        num_experts_per_tok=config_int(text, "num_experts_per_tok", default=0, low=0, high=experts),
+        moe_intermediate_size=config_int(text, "moe_intermediate_size", default=0, low=0),
+        shared_expert_intermediate_size=config_int(text, "shared_expert_intermediate_size", default=0, low=0),
+        norm_topk_prob=config_bool(text, "norm_topk_prob", True),
+    )
+
+
+def attention_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields every target config reads alike: ``vocab_size``, ``hidden_size``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads`` (absent: ``num_heads``), ``head_dim`` (absent: ``hidden_size /
+    num_heads``, which must divide), ``rms_norm_eps`` and ``max_position_embeddings`` (absent: no limit; else
+    >= 1)."""
+    hidden, heads = config_int(d, "hidden_size"), config_int(d, "num_attention_heads", high=MAX_HEADS)
+    if d.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (and "
+                         "head_dim is absent)")
+    return dict(
+        vocab_size=config_int(d, "vocab_size", high=MAX_VOCAB),
+        hidden_size=hidden,
+        num_layers=config_int(d, "num_hidden_layers", high=MAX_LAYERS),
+        num_heads=heads,
+        num_kv_heads=config_int(d, "num_key_value_heads", default=heads, high=MAX_HEADS),
+        head_dim=config_int(d, "head_dim", default=hidden // heads),
+        rms_norm_eps=config_float(d, "rms_norm_eps", default=1e-6, positive=True),
+        max_position_embeddings=config_int(d, "max_position_embeddings", default=None, high=MAX_POSITIONS),
     )
 
 
@@ -107,12 +250,6 @@ def check_moe(cfg) -> None:
                          f"{cfg.num_experts_per_tok} and {cfg.num_experts}")
     if any(moe) and cfg.moe_intermediate_size < 1:
         raise ValueError(f"MoE needs moe_intermediate_size >= 1, got {cfg.moe_intermediate_size}")
-
-
-def _require(d: Mapping[str, Any], key: str) -> Any:
-    if key not in d or d[key] is None:
-        raise ValueError(f"config is missing required field {key!r}")
-    return d[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,35 +304,27 @@ class DecoderConfig:
         switches; absent or any other value: Qwen3); ``overrides`` sets ``dtype``/``attention_impl`` (or any
         field).  What these models can be configured to do and is not implemented here is refused."""
         model_type = d.get("model_type") if d.get("model_type") in families.DENSE.model_types else "qwen3"
-        if d.get("use_sliding_window"):
+        if config_bool(d, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
-        if d.get("attention_bias"):
+        if config_bool(d, "attention_bias", False):
             raise ValueError("attention_bias=true (biases on q/k/v and o_proj) is not supported")
-        if d.get("mlp_bias"):
+        if config_bool(d, "mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported")
-        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1))
-        if float(partial) != 1:
+        if rope_parameter(d, "partial_rotary_factor", default=1.0) != 1:
             raise ValueError("partial_rotary_factor != 1 is not supported on dense models")
-        if d.get("hidden_act", "silu") != "silu":
+        if config_str(d, "hidden_act", default="silu") != "silu":
             raise ValueError(f"hidden_act must be silu, got {d['hidden_act']!r}")
         theta, rope_scaling = _rope(d, ROPE_TYPES)
-        heads = int(_require(d, "num_attention_heads"))
+        shared = attention_fields(d)
         fields = dict(
-            vocab_size=int(_require(d, "vocab_size")),
-            hidden_size=int(_require(d, "hidden_size")),
-            intermediate_size=int(_require(d, "intermediate_size")),
-            num_layers=int(_require(d, "num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(_require(d, "hidden_size")) // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            **shared,
+            intermediate_size=config_int(d, "intermediate_size"),
             rope_theta=theta,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=config_bool(d, "tie_word_embeddings", False),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             qkv_bias=model_type == "qwen2",
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings"),
-            **moe_fields(d, int(_require(d, "num_hidden_layers")), model_type == "qwen3_moe"),
+            **moe_fields(d, shared["num_layers"], model_type == "qwen3_moe"),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -242,19 +371,15 @@ def _draft_attention(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[bool,
     ``layer_types`` (default: sliding from ``max_window_layers`` on when ``use_sliding_window``), the window
     ``sliding_window`` only with ``use_sliding_window`` (HF drops it otherwise), and a layer causal iff
     ``is_causal`` says so, or, when it is absent, iff it is a sliding layer."""
-    use_sw = bool(d.get("use_sliding_window", False))
-    window = d.get("sliding_window") if use_sw else None
-    types = d.get("layer_types")
+    use_sw = config_bool(d, "use_sliding_window", False)
+    window = config_int(d, "sliding_window", default=None, high=MAX_POSITIONS) if use_sw else None
+    types = config_strs(d, "layer_types", default=None, choices=LAYER_TYPES, length=num_layers)
     if types is None:
-        first = int(d.get("max_window_layers", 28))  # HF Qwen3Config's default
-        types = ["sliding_attention" if use_sw and i >= first else "full_attention" for i in range(num_layers)]
-    types = tuple(types)
-    if len(types) != num_layers or set(types) - set(LAYER_TYPES):
-        raise ValueError(f"layer_types must list {num_layers} of {LAYER_TYPES}, got {list(types)}")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
-    is_causal = d.get("is_causal")
-    causal = tuple(bool(is_causal) if is_causal is not None else t == "sliding_attention" for t in types)
+        first = config_int(d, "max_window_layers", default=28, low=0, high=MAX_LAYERS)  # HF Qwen3Config's
+        types = tuple("sliding_attention" if use_sw and i >= first else "full_attention"
+                      for i in range(num_layers))
+    is_causal = config_bool(d, "is_causal", None)
+    causal = tuple(is_causal if is_causal is not None else t == "sliding_attention" for t in types)
     return causal, tuple(window if t == "sliding_attention" else None for t in types)
 
 
@@ -322,53 +447,51 @@ class DrafterConfig:
         Every field is either honoured or refused: unknown fields (top level or in ``dflash_config``), and
         DFlash2 checkpoints (dynamic convolutions, candidate selector), raise a ValueError naming them.
         """
-        dc = d.get("dflash_config") or {}
+        dc = config_dict(d, "dflash_config")
         unknown = sorted(set(d) - _DRAFTER_TOP_FIELDS)
         unknown += [f"dflash_config.{k}" for k in sorted(set(dc) - _DRAFTER_DFLASH_FIELDS)]
-        if "DFlash2DraftModel" in (d.get("architectures") or ()):
+        if "DFlash2DraftModel" in config_strs(d, "architectures", default=()):
             raise ValueError(
                 "DFlash2DraftModel checkpoints (dynamic convolutions, candidate selector) are not supported"
             )
         if unknown:
             raise ValueError(f"drafter config field(s) not supported: {', '.join(unknown)}")
-
-        def pick(key, default=None, top_first=False):
-            order = (d, dc) if top_first else (dc, d)
-            for src in order:
-                if src.get(key) is not None:
-                    return src[key]
-            return default
-
         if d.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"drafter model_type must be qwen3 (DFlash draft layers are Qwen3 layers), got "
                              f"{d['model_type']!r}")
         model = DecoderConfig.from_hf({k: v for k, v in d.items() if k not in _DRAFTER_ATTENTION}, **overrides)
         causal, windows = _draft_attention(d, model.num_layers)
-        n_target = pick("num_target_layers")
-        ids = pick("target_layer_ids")
-        if ids is None:
-            if n_target is None:
-                raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
-            ids = default_target_layer_ids(int(n_target), model.num_layers)
-        mask = pick("mask_token_id")
-        if mask is None:
-            raise ValueError("drafter config is missing mask_token_id")
-        emb_dim, gru = pick("emb_dim", top_first=True), pick("gru_hidden_dim")
-        softcap = pick("final_logit_softcapping")
-        return cls(
-            model=model,
-            block_size=int(pick("block_size", 16)),
-            target_layer_ids=tuple(int(i) for i in ids),
-            mask_token_id=int(mask),
-            shift_label=bool(pick("shift_label", False)),
-            pure_draft_prefix_len=int(pick("pure_draft_prefix_len", 0)),
-            projector_type=pick("projector_type"),
-            emb_dim=None if emb_dim is None else int(emb_dim),
-            gru_hidden_dim=None if gru is None else int(gru),
-            num_target_layers=None if n_target is None else int(n_target),
-            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
-            output_multiplier=float(pick("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap and float(softcap) > 0 else None,
-            causal_layers=causal,
-            layer_windows=windows,
-        )
+        return cls(model=model, causal_layers=causal, layer_windows=windows, **_drafter_fields(d, dc, model))
+
+
+def _drafter_fields(d: Mapping[str, Any], dc: Mapping[str, Any], model: DecoderConfig) -> dict[str, Any]:
+    """A drafter's own ``DrafterConfig`` fields, each from ``dflash_config`` (``dc``) where it sets them, else
+    from the top level (``emb_dim``: the other way round)."""
+
+    def src(key: str, top_first: bool = False) -> Mapping[str, Any]:
+        first, second = (d, dc) if top_first else (dc, d)
+        return first if first.get(key) is not None else second
+
+    n_target = config_int(src("num_target_layers"), "num_target_layers", default=None, high=MAX_LAYERS)
+    last_layer = (n_target or MAX_LAYERS) - 1
+    ids = config_ints(src("target_layer_ids"), "target_layer_ids", default=None, high=last_layer)
+    if ids is None and n_target is None:
+        raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
+    block_size = config_int(src("block_size"), "block_size", default=16, low=2, high=MAX_BLOCK)
+    softcap = config_float(src("final_logit_softcapping"), "final_logit_softcapping", default=None)
+    return dict(
+        block_size=block_size,
+        target_layer_ids=default_target_layer_ids(n_target, model.num_layers) if ids is None else ids,
+        mask_token_id=config_int(src("mask_token_id"), "mask_token_id", low=0, high=model.vocab_size - 1),
+        shift_label=config_bool(src("shift_label"), "shift_label", False),
+        pure_draft_prefix_len=config_int(src("pure_draft_prefix_len"), "pure_draft_prefix_len", default=0,
+                                         low=0, high=block_size),
+        projector_type=config_str(src("projector_type"), "projector_type", default=None),
+        emb_dim=config_int(src("emb_dim", top_first=True), "emb_dim", default=None),
+        gru_hidden_dim=config_int(src("gru_hidden_dim"), "gru_hidden_dim", default=None),
+        num_target_layers=n_target,
+        input_embedding_scale=config_float(src("input_embedding_scale"), "input_embedding_scale",
+                                           default=1.0),
+        output_multiplier=config_float(src("output_multiplier"), "output_multiplier", default=1.0),
+        final_logit_softcapping=softcap if softcap is not None and softcap > 0 else None,
+    )

@@ -45,8 +45,11 @@ class Family:
         return self.model_types if self.kind_is_model_type else (self.name,)
 
     def claims(self, config: Mapping) -> bool:
-        """Whether an HF config dict is one of this family's (markers first, then ``model_type``)."""
-        if set(config.get("architectures") or ()) & set(self.architectures):
+        """Whether an HF config dict is one of this family's (markers first, then ``model_type``); a
+        ValueError when ``architectures`` is not a list of strings."""
+        from dtree_jax.models.config import config_strs  # here: models.config imports this module
+
+        if set(config_strs(config, "architectures", default=())) & set(self.architectures):
             return True
         if any(k in config for k in self.config_keys):
             return True
@@ -114,7 +117,11 @@ def kind_of(config: Mapping, config_file: str = "config.json") -> str:
     """The model kind of an HF config dict (a family with markers claims it first); ValueError otherwise."""
     ordered = sorted(FAMILIES.values(), key=lambda f: not (f.architectures or f.config_keys))
     for f in ordered:
-        if f.claims(config):
+        try:
+            claimed = f.claims(config)
+        except ValueError as e:  # a malformed marker (``architectures``)
+            raise ValueError(f"{config_file}: {e}") from None
+        if claimed:
             return f.kind_of(config)
     supported = [t for f in FAMILIES.values() if not f.drafter for t in f.model_types]
     drafters = " or ".join(f.name for f in FAMILIES.values() if f.drafter)

@@ -31,13 +31,22 @@ from dtree_jax.models import families, kernels, moe
 from dtree_jax.models.cache import compact_kv
 from dtree_jax.models.config import (
     ATTENTION_IMPLS,
-    _require,
+    MAX_CONV_KERNEL,
+    MAX_HEADS,
+    MAX_LAYERS,
     _rope_theta,
+    attention_fields,
     check_kernel_platform,
     check_kv_heads,
     check_moe,
+    config_bool,
+    config_dict,
+    config_int,
+    config_str,
+    config_strs,
     moe_fields,
     repeat_kv,
+    rope_parameter,
 )
 from dtree_jax.models.decoder import embed, embed_table, lm_head  # noqa: F401 (the protocol: same layout as dense)
 from dtree_jax.models.gdn import causal_conv, chunk_gated_delta_rule, gated_rms_norm, gdn_gates, split_qkv
@@ -152,47 +161,37 @@ def config_from_hf(d: Mapping[str, Any], **overrides) -> Qwen35Config:
     """From an HF ``Qwen3_5Config`` (text fields under ``text_config``), ``Qwen3_5TextConfig`` or
     ``Qwen3NextConfig`` dict; ``overrides`` sets ``dtype`` / ``attention_impl`` (or any field)."""
     top = dict(d)
-    text = dict(top.get("text_config") or top)
+    text = dict(config_dict(top, "text_config") or top)
     model_type = top.get("model_type", text.get("model_type"))
     if model_type not in families.HYBRID.model_types:
         raise ValueError(f"model_type must be one of {families.HYBRID.model_types}, got {model_type!r}")
-    if text.get("hidden_act", "silu") != "silu":
+    if config_str(text, "hidden_act", default="silu") != "silu":
         raise ValueError(f"hidden_act must be silu, got {text['hidden_act']!r}")
-    if text.get("attention_bias"):
+    if config_bool(text, "attention_bias", False):
         raise ValueError("attention_bias=true is not supported")
-    if text.get("attn_output_gate") is False:
+    if not config_bool(text, "attn_output_gate", True):
         raise ValueError("attn_output_gate=false is not supported")
-    n = int(_require(text, "num_hidden_layers"))
-    types = text.get("layer_types")
+    shared = attention_fields(text)
+    n = shared["num_layers"]
+    types = config_strs(text, "layer_types", default=None, choices=(FULL, LINEAR), length=n)
     if types is None:
-        interval = int(text.get("full_attention_interval", 4))
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-    heads = int(_require(text, "num_attention_heads"))
-    head_dim = int(text.get("head_dim") or int(_require(text, "hidden_size")) // heads)
-    rp = text.get("rope_parameters") or {}
-    factor = float(rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-    tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        interval = config_int(text, "full_attention_interval", default=4, high=MAX_LAYERS)
+        types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+    tie = config_bool(top, "tie_word_embeddings", config_bool(text, "tie_word_embeddings", False))
     fields = dict(
-        vocab_size=int(_require(text, "vocab_size")),
-        hidden_size=int(_require(text, "hidden_size")),
-        intermediate_size=int(text.get("intermediate_size") or 0),
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=int(text.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        **shared,
+        intermediate_size=config_int(text, "intermediate_size", default=0, low=0),
         rope_theta=_rope_theta(text),
-        rotary_dim=int(head_dim * factor),
-        tie_word_embeddings=bool(tie),
-        layer_types=tuple(types),
-        linear_num_k_heads=int(_require(text, "linear_num_key_heads")),
-        linear_num_v_heads=int(_require(text, "linear_num_value_heads")),
-        linear_k_head_dim=int(_require(text, "linear_key_head_dim")),
-        linear_v_head_dim=int(_require(text, "linear_value_head_dim")),
-        linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+        rotary_dim=int(shared["head_dim"] * rope_parameter(text, "partial_rotary_factor", default=0.25)),
+        tie_word_embeddings=tie,
+        layer_types=types,
+        linear_num_k_heads=config_int(text, "linear_num_key_heads", high=MAX_HEADS),
+        linear_num_v_heads=config_int(text, "linear_num_value_heads", high=MAX_HEADS),
+        linear_k_head_dim=config_int(text, "linear_key_head_dim"),
+        linear_v_head_dim=config_int(text, "linear_value_head_dim"),
+        linear_conv_kernel=config_int(text, "linear_conv_kernel_dim", default=4, high=MAX_CONV_KERNEL),
         fused_gdn_proj=model_type in FUSED_MODEL_TYPES,
         **moe_fields(text, n, model_type in MOE_MODEL_TYPES),
-        max_position_embeddings=text.get("max_position_embeddings"),
     )
     fields.update(overrides)
     return Qwen35Config(**fields)
