@@ -18,6 +18,7 @@ placed whole, E/m per device (expert parallelism: the device holding the most ro
 time), for Qwen3-30B-A3B (128 experts, top 8) and Qwen3.6-35B-A3B (256, top 8), each token routed uniformly.
 
     python experiments/bench_moe.py [--repeats 30]
+    python experiments/bench_moe.py --placement   # only the placement counts (seconds), into the same file
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--placement", action="store_true", help="only the placement counts (no timing)")
     args = ap.parse_args(argv)
+    placements = {"qwen3-30b-a3b": placement(128, 8), "qwen3.6-35b-a3b": placement(256, 8)}
+    if args.placement:
+        results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        args.out.write_text(json.dumps(dict(results, placement=placements), indent=1) + "\n")
+        return 0
     keys = jax.random.split(jax.random.key(0), 5)
     scale = lambda n: n ** -0.5  # noqa: E731
     p = moe.MoEParams(
@@ -102,8 +109,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(dict(machine=machine, layer=dict(hidden=H, experts=E, top_k=K, expert_width=I,
                                                                      dtype="float32"),
                                         repeats=args.repeats, rows=rows,
-                                        placement={"qwen3-30b-a3b": placement(128, 8),
-                                                   "qwen3.6-35b-a3b": placement(256, 8)}), indent=1) + "\n")
+                                        placement=placements), indent=1) + "\n")
     return 0
 
 

@@ -7,11 +7,12 @@ to 1 when ``norm_topk_prob``), each token's output the weighted sum of its exper
 the family has one (Qwen3-Next, Qwen3.5-MoE), ``sigmoid(x @ shared_gate) * shared(x)``.
 
 Decoding needs no capacity: every token (a tree verify's every node) is routed on its own and none is dropped.
-On TPU and GPU the experts run as grouped matmuls: the ``T * k`` token-expert pairs sorted by expert, then
+On GPU the experts run as grouped matmuls: the ``T * k`` token-expert pairs sorted by expert, then
 ``lax.ragged_dot`` over the per-expert group sizes.  XLA:CPU runs ``ragged_dot`` as every expert over every pair
-(``experiments/bench_moe.py``: 33 tokens of a Qwen3-30B-A3B layer 2.5x the dense cost), so there the pairs'
-expert weights are gathered while there are fewer pairs than experts, and past that every expert runs on every
-token (``models.kernels.moe_grouping`` chooses, from the platform and the static token count).  On a mesh each
+(``experiments/bench_moe.py``: 33 tokens of a Qwen3-30B-A3B layer 2.5x the dense cost) and XLA:TPU's holds large
+temporaries per layer, so there the pairs' expert weights are gathered while there are fewer pairs than experts,
+and past that (a prefill) every expert runs on every token (``models.kernels.moe_grouping`` chooses, from the
+platform and the static token count).  On a mesh each
 expert's intermediate dimension is split over the ``model`` axis (``"mlp"``, as a dense MLP's is): every device
 holds ``1/model`` of every expert and computes every routed pair's partial sum, so routing needs no all-to-all
 and an uneven routing loads every device alike; the one all-reduce is the dense MLP's.
