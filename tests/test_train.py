@@ -90,14 +90,20 @@ def test_smoke_run_trains_and_generates(tmp_path, monkeypatch):
 
 
 def test_shipped_tiny_pair_decodes_with_its_calibration(capsys):
-    """The shipped tiny pair from checkpoints/, with --budget auto (its calibration.json) and the ar baseline."""
+    """The shipped tiny pair from checkpoints/, with --budget auto (its calibration.json and this machine's round
+    costs: on a CPU where a tree does not pay at this size it may choose ar) and the ar baseline; at a fixed
+    budget the trained drafter gets drafts accepted."""
     import json
 
     from dtree_jax.cli import SHIPPED_TINY, main, shipped
 
     target, drafter = (shipped(name) for name in SHIPPED_TINY)
-    assert main(["generate", "--target", target, "--drafter", drafter, "--max-new-tokens", "24", "--compare-ar",
-                 "--prompt", "import os\n", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(row["tokens"]) == 24 and row["text"] and row["speedup_vs_ar"] > 0
-    assert row["tau"] > 1.0  # the trained drafter gets drafts accepted
+    rows = []
+    for budget in ("auto", "4"):
+        assert main(["generate", "--target", target, "--drafter", drafter, "--max-new-tokens", "24", "--compare-ar",
+                     "--prompt", "import os\n", "--json", "--budget", budget, "--timing-pairs", "1"]) == 0
+        rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    auto, fixed = rows
+    assert auto["auto"].startswith("budget auto: ") and len(auto["tokens"]) == 24 and auto["text"]
+    assert fixed["tokens"] == auto["tokens"] and fixed["speedup_vs_ar"] > 0 and fixed["budget"] == 4
+    assert fixed["tau"] > 1.0  # the trained drafter gets drafts accepted
