@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import time
 
 import jax
@@ -71,12 +72,27 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-# This process's compiled generations, most recently used last: (spec, argument shapes) -> (program, params).
-# Bounded: each program holds its code (XLA:CPU maps ~700 memory regions per generation; Linux allows 65,530 per
-# process) and, baked, its own copy of the weights.
+# This process's compiled generations, most recently used last: (spec, argument shapes) -> (program, params,
+# baked weight bytes).  Bounded: each program holds its code (XLA:CPU maps ~700 memory regions per generation;
+# Linux allows 65,530 per process) and, baked, its weights several times over (SmolLM2's pair, 0.8 GB of weights:
+# ~3.4 GB resident per program; eight of them were killed for memory on a 24 GiB host), so the baked weights
+# held are also capped at MAX_BAKED_FRACTION of the host's memory.
 COMPILED: collections.OrderedDict = collections.OrderedDict()
 MAX_COMPILED = 8
+MAX_BAKED_FRACTION = 0.1
 _compiled_count = 0
+
+
+def _baked_bytes(baked: bool, *params) -> int:
+    return sum(x.nbytes for p in params for x in jax.tree.leaves(p) if hasattr(x, "nbytes")) if baked else 0
+
+
+def _evict() -> None:
+    """Frees the least recently used programs (their code and baked weights) past ``MAX_COMPILED`` programs or
+    past ``MAX_BAKED_FRACTION`` of the host's memory in baked weights; the newest program always stays."""
+    limit = MAX_BAKED_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    while len(COMPILED) > 1 and (len(COMPILED) > MAX_COMPILED or sum(e[3] for e in COMPILED.values()) > limit):
+        COMPILED.popitem(last=False)
 
 
 def _compiled(args):
@@ -95,10 +111,9 @@ def _compiled(args):
     with sharding.mesh_context(spec.mesh):
         run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh,
                                        bake=functools.partial(loop.unshared_heads, spec))
-    COMPILED[key] = (run, tparams, dparams)
+    COMPILED[key] = (run, tparams, dparams, _baked_bytes(baked, tparams, dparams))
     _compiled_count += 1
-    while len(COMPILED) > MAX_COMPILED:
-        COMPILED.popitem(last=False)  # the least recently used program, its code and weights freed
+    _evict()
     return run, time.perf_counter() - t0
 
 

@@ -99,6 +99,21 @@ def test_compiled_programs_are_bounded(models, monkeypatch):
     assert run(5).compile_seconds > 0.0 and api.compilations() == before + 4
 
 
+def test_baked_weights_held_are_bounded_by_the_hosts_memory(models, monkeypatch):
+    """Past ``MAX_BAKED_FRACTION`` of the host's memory in baked weights the oldest baked program is freed, even
+    under ``MAX_COMPILED``; the newest always stays.  Control: with room for both, both stay."""
+    _, target, _ = models
+    weights = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    run = lambda n: generate(target, PROMPTS, "ar", max_new_tokens=n, stop_ids=())  # noqa: E731
+    for room, kept in ((2.5, 2), (1.5, 1)):
+        monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
+        monkeypatch.setattr(running, "MAX_BAKED_FRACTION", room * weights / memory)  # room for 2.5 / 1.5 programs
+        run(4), run(5)
+        assert len(running.COMPILED) == kept and all(e[3] == weights for e in running.COMPILED.values())
+        assert run(5).compile_seconds == 0.0  # the newest is the one kept
+
+
 def test_baked_programs_stay_out_of_the_persistent_cache(tmp_path):
     """Control first: a plain program is written to the cache; a baked one is not; the cache works after."""
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
