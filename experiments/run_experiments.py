@@ -103,7 +103,13 @@ def save(name: str, payload: dict) -> None:
 
 
 def plot(name: str, draw) -> None:
-    import matplotlib
+    """Draws ``RESULTS/<name>.png``; without matplotlib (the ``experiments`` extra) says so and draws nothing,
+    so a part's results are never lost to a missing plotting library."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"  (no {PREFIX}{name}.png: matplotlib is not installed; pip install -e '.[experiments]')", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
