@@ -17,13 +17,19 @@ TEXT_LIMIT = 4 * MIB  # a chat template file
 TOKENIZER_LIMIT = 128 * MIB  # tokenizer.json (the largest real ones are ~35 MB)
 
 
+def _inside(root: str | Path, path: Path) -> Path:
+    """``path`` resolved; a ValueError when that leads out of ``root``."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(Path(root).resolve()):
+        raise ValueError(f"{path}: leads outside the checkpoint directory {root} (to {resolved}); refusing to read it")
+    return resolved
+
+
 def confined(root: str | Path, name: str | Path) -> Path:
     """``root / name`` if it is a regular file inside ``root`` once symlinks are resolved; a ValueError otherwise
     (a path leading out of the checkpoint, a FIFO or device, a directory, nothing there)."""
     file = Path(root) / name
-    resolved, base = file.resolve(), Path(root).resolve()
-    if not resolved.is_relative_to(base):
-        raise ValueError(f"{file}: leads outside the checkpoint directory {root} (to {resolved}); refusing to read it")
+    resolved = _inside(root, file)
     if not resolved.exists():
         raise ValueError(f"{file}: not found")
     if not stat.S_ISREG(resolved.stat().st_mode):
@@ -81,19 +87,13 @@ def confined_tree(root: str | Path, name: str | Path) -> Path:
     """``root / name`` if it is a directory inside ``root`` and nothing under it (files, subdirectories) leads
     out of ``root`` or is anything but a regular file or directory; a ValueError otherwise."""
     top = Path(root) / name
-    base = Path(root).resolve()
-    if not top.resolve().is_relative_to(base):
-        raise ValueError(f"{top}: leads outside the checkpoint directory {root} (to {top.resolve()}); refusing to "
-                         "read it")
+    _inside(root, top)
     if not top.is_dir():
         raise ValueError(f"{top}: not found (expected a directory)")
     for folder, dirs, files in os.walk(top, followlinks=False):
         for entry in (*dirs, *files):
             path = Path(folder) / entry
-            resolved = path.resolve()
-            if not resolved.is_relative_to(base):
-                raise ValueError(f"{path}: leads outside the checkpoint directory {root} (to {resolved}); refusing "
-                                 "to read it")
+            resolved = _inside(root, path)
             mode = os.stat(path).st_mode if resolved.exists() else 0
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise ValueError(f"{path}: not a regular file; refusing to read it")

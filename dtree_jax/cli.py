@@ -244,24 +244,23 @@ def _mesh_arg(value: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return n
+def _int_in(low: int, high: int | None, what: str):
+    """An argparse type: an integer in ``[low, high]`` (``high`` None: no bound), else "must be <what>"."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+        return n
+
+    return parse
 
 
-def _seed_arg(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if not 0 <= n < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {value!r}")
-    return n
+_positive_int = _int_in(1, None, "a positive integer")
+_seed_arg = _int_in(0, 2**32 - 1, "an integer from 0 to 2**32 - 1")
 
 
 def _budget_arg(value: str):
