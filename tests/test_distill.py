@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -252,9 +253,14 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
         "1",
         "--results",
         str(tmp_path / "results"),
+        "--loss-decay-gamma",
+        "4",
     ]
-    with pytest.raises(SystemExit):  # the data stage writes one directory
-        ts.main(["data", "--data", str(tmp_path / "x"), str(tmp_path / "y")])
+    for stage in ("data", "text"):  # these stages write one directory
+        with pytest.raises(SystemExit):
+            ts.main([stage, "--data", str(tmp_path / "x"), str(tmp_path / "y")])
+    with pytest.raises(SystemExit):
+        ts.main(["train", *args, "--loss-decay-gamma", "0"])
     ts.main(["train", *args, "--stop-at", "2"])
     assert not (tmp_path / "drafter").exists()
     with pytest.raises(ValueError, match="--resume"):
@@ -262,6 +268,7 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     ts.main(["train", *args, "--resume"])
     log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
     assert log["step"] == 4 and log["steps"][-1] == 3 and log["recipe"]["head_steps"] == 2
+    assert log["recipe"]["loss_decay_gamma"] == 4
     assert log["recipe"]["prompts"] == [None]  # data made by distill.generate_shards directly: no prompts.json
     ts.main(["export", *args])  # the export stage alone gives the same files
     import safetensors.numpy
@@ -329,3 +336,73 @@ def test_full_vocabulary_objective_is_the_block_objective_on_greedy_data(data_di
     np.testing.assert_allclose(kd(b), want(b["tokens"]), rtol=1e-2)
     sampled = kd(dict(b, negatives=np.arange(6, 40, dtype=np.int32)))
     assert abs(float(sampled) - float(want(b["tokens"]))) > 1e-3  # the sampled denominator is an estimate
+
+
+def test_loss_decay_weights_the_early_rows(data_dir):
+    """``decay_gamma`` -> 0 leaves only row 0 in the mean: the objective equals the unweighted one on the same
+    blocks cut (by ``lens``) to their first label; a huge gamma is the unweighted objective; gamma = 1 is
+    neither (the control)."""
+    _, target = _target()
+    data = distill.load_shards(data_dir)
+    dcfg, dparams = _drafter(seed=5)
+    keep = np.flatnonzero(data.lens - data.prompt_lens > dcfg.num_draft_rows + 1)[:4]
+    assert len(keep) >= 2
+    anchors = data.prompt_lens[keep][:, None].astype(np.int32)
+    b = dict(tokens=data.tokens[keep], lens=data.lens[keep], feats=data.feats[keep], top_ids=data.top_ids[keep],
+             top_logp=data.top_logp[keep], anchors=anchors, negatives=np.zeros((0,), np.int32))
+    loss = jax.jit(
+        lambda b, gamma: distill.distill_loss(dparams, dcfg, decoder, target.params, target.cfg, b, 0.5, gamma)[0],
+        static_argnums=1,
+    )
+    first_row_only = loss(dict(b, lens=anchors[:, 0] + 2), None)
+    np.testing.assert_allclose(loss(b, 1e-4), first_row_only, rtol=1e-5)
+    np.testing.assert_allclose(loss(b, 1e9), loss(b, None), rtol=1e-5)
+    assert abs(float(loss(b, 1.0)) - float(loss(b, None))) > 1e-3
+    assert abs(float(loss(b, 1.0)) - float(first_row_only)) > 1e-3
+    np.testing.assert_allclose(distill.row_weights(3, 2.0), np.exp([0.0, -0.5, -1.0]), rtol=1e-6)
+    with pytest.raises(ValueError, match="decay_gamma"):
+        distill.row_weights(3, 0.0)
+
+
+def test_text_shards_record_the_targets_forward_over_stored_text(tmp_path):
+    """``record_text_shards``: nothing generated; each passage (cut to ``length``) with the target's taps and
+    top-K at every position, anchors only after the context; a passage too short for one block is dropped;
+    the stats count text tokens apart from generated ones; resuming keeps what was written."""
+    _, target = _target()
+    rng = np.random.default_rng(7)
+    passages = [rng.integers(6, 128, n).tolist() for n in (30, 3, 17, 24, 9)]  # 3 < context + 2: dropped
+    args = dict(taps=TAPS, length=20, context_tokens=4, shard_size=2, top_k=8, progress=False)
+    distill.record_text_shards(target, passages, tmp_path, **args)
+    data = distill.load_shards(tmp_path)
+    kept = [p[:20] for p in passages if len(p) >= 6]
+    assert len(data) == 4 and data.tokens.shape[1] == 20
+    assert data.lens.tolist() == [len(p) for p in kept] and data.prompt_lens.tolist() == [4] * 4
+    _, feats = train.causal_forward(decoder, target.params, target.cfg, jnp.asarray(data.tokens), TAPS)
+    logits, _ = train.causal_forward(decoder, target.params, target.cfg, jnp.asarray(data.tokens))
+    for i, p in enumerate(kept):
+        assert data.tokens[i, : len(p)].tolist() == p
+        np.testing.assert_allclose(data.feats[i, : len(p)].astype(np.float32), feats[i, : len(p)], rtol=1e-2,
+                                   atol=1e-2)
+        top = np.argsort(-np.asarray(logits[i, : len(p)]), -1)[:, :8]
+        np.testing.assert_array_equal(data.top_ids[i, : len(p)], top)
+    b = distill.batch_at(data, 0, batch=2, blocks=5, negatives=0, vocab=128, seed=0)
+    assert (b["anchors"] >= 4).all()
+    stats = distill.data_stats(tmp_path)
+    assert stats["text_tokens"] == sum(len(p) - 4 for p in kept) and stats["generated_tokens"] == 0
+    before = {f.name: f.stat().st_mtime_ns for f in tmp_path.glob("shard-*.npz")}
+    (tmp_path / "shard-00001.npz").unlink()
+    distill.record_text_shards(target, passages, tmp_path, **args)
+    after = {f.name: f.stat().st_mtime_ns for f in tmp_path.glob("shard-*.npz")}
+    assert after.keys() == before.keys() and after["shard-00000.npz"] == before["shard-00000.npz"]
+    with pytest.raises(ValueError, match="other settings"):
+        distill.record_text_shards(target, passages, tmp_path, **dict(args, context_tokens=5))
+    with pytest.raises(ValueError, match="context_tokens"):
+        distill.record_text_shards(target, passages, tmp_path / "x", **dict(args, context_tokens=19))
+
+
+def test_passages_come_from_train_files_and_are_reproducible():
+    train_files = {str(f) for f in train.stdlib_files("train")}
+    got = distill.stdlib_passages("train", 6, seed=3)
+    assert got == distill.stdlib_passages("train", 6, seed=3) != distill.stdlib_passages("train", 6, seed=4)
+    root = pathlib.Path(json.__file__).resolve().parent.parent
+    assert all(p.kind == "text" and str(root / p.source) in train_files and p.text for p in got)
