@@ -78,6 +78,8 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     "arguments+ynn": (False, OPTION_SETS["ynn"]),
     "baked": (True, OPTION_SETS["default"]),
     "baked+ynn": (True, OPTION_SETS["ynn"]),  # what dtree_jax compiles CPU generations with (cpu_options)
+    "baked+xnn": (True, OPTION_SETS["xnn"]),
+    "baked+onednn": (True, OPTION_SETS["onednn"]),
 }
 
 
