@@ -53,7 +53,7 @@ from dtree_jax.models.domino_head import correction_hidden, gru_run
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    kind: str  # "chat": a user message for the chat template; "continue": raw text to continue
+    kind: str  # "chat": a user message for the chat template; "continue": raw text to continue; "text": a passage
     text: str
     source: str  # the standard-library file it was made from (relative path)
 
@@ -118,7 +118,7 @@ def stdlib_prompts(split: str, num: int, seed: int = 0, chat_fraction: float = 0
     """``num`` prompts from the ``split`` ("train" / "heldout") files of the standard library, about
     ``chat_fraction`` of them chat instructions, the rest continuations; seeded and reproducible."""
     files = train.stdlib_files(split)
-    root = pathlib.Path(json.__file__).resolve().parent.parent
+    root = train.stdlib_root()
     rng = np.random.default_rng(seed)
     pool = [p for f in files for p in _file_prompts(f, root, rng)]
     chat = [p for p in pool if p.kind == "chat"]
@@ -137,10 +137,11 @@ def stdlib_prompts(split: str, num: int, seed: int = 0, chat_fraction: float = 0
 
 
 def stdlib_passages(split: str, num: int, seed: int = 0, lines: int = 120) -> list[Prompt]:
-    """``num`` passages of the ``split`` files' source (kind ``"text"``): ``lines`` lines from a random line of a
-    random file (files drawn by size, so every line is about equally likely); seeded and reproducible."""
+    """``num`` passages of the ``split`` files' source (kind ``"text"``): up to ``lines`` lines from a random line
+    of a random file (files drawn by size, with replacement; a passage starts before the file's last
+    ``lines // 2`` lines); seeded and reproducible."""
     files = train.stdlib_files(split)
-    root = pathlib.Path(json.__file__).resolve().parent.parent
+    root = train.stdlib_root()
     sizes = np.asarray([f.stat().st_size for f in files], np.float64)
     rng = np.random.default_rng([seed, 17])
     out = []
@@ -387,14 +388,15 @@ class Distilled:
 def _read_settings(data: pathlib.Path) -> dict:
     if not (data / MANIFEST).is_file():
         raise ValueError(
-            f"{data}: no {MANIFEST}; generate the data first (experiments/train_smollm2.py data)"
+            f"{data}: no {MANIFEST}; make the data first (experiments/train_smollm2.py data, or text)"
         )
     settings = json.loads((data / MANIFEST).read_text())["settings"]
     n = -(-settings["num_prompts"] // settings["shard_size"])
     missing = [i for i in range(n) if not _shard_path(data, i).is_file()]
     if missing:
+        stage = "text" if settings.get("source") == "text" else "data"
         raise ValueError(
-            f"{data}: {len(missing)} of {n} shards missing (first {missing[0]}); resume the data step"
+            f"{data}: {len(missing)} of {n} shards missing (first {missing[0]}); resume the {stage} step"
         )
     return settings
 
@@ -526,7 +528,7 @@ def distill_loss(
 
     def kd(cand, lse):
         ce = -jnp.sum(p * (cand - lse[..., None]), -1)
-        return jnp.sum(weight * ce) / jnp.maximum(jnp.sum(weight), 1e-9)
+        return jnp.sum(jnp.where(valid, weight * ce, 0.0)) / jnp.maximum(jnp.sum(weight), 1e-9)
 
     kd_final, kd_base = kd(cand_final, lse_final), kd(cand_base, lse_base)
     agree = jnp.sum(jnp.where(valid, jnp.argmax(cand_final, -1) == 0, False)) / denom
@@ -534,7 +536,8 @@ def distill_loss(
 
 
 def row_weights(rows: int, decay_gamma: float | None) -> jax.Array:
-    """``[rows]`` loss weights of the draft rows: ``exp(-d / decay_gamma)`` for row d, or ones (None)."""
+    """``[rows]`` loss weights of the draft rows: ``exp(-d / decay_gamma)`` for row d, or ones (None);
+    ``decay_gamma`` is a Python float (static under ``jit``)."""
     d = jnp.arange(rows, dtype=jnp.float32)
     if decay_gamma is None:
         return jnp.ones_like(d)

@@ -3,8 +3,8 @@
 A drafter's ``calibration.json`` carries tau per budget: a property of the drafter and its target.  What a
 round costs belongs to the machine, its jax and the program (weights baked in or not, ``cpu_options``), so
 ``budget="auto"`` measures it here: plain ``ar`` (budget 0) and a round of the method at each candidate budget,
-at the request's batch, compiled as the generation compiles them, a few timed runs each (median).  The result
-is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine, jax version, program and batch,
+at the request's batch, compiled as the generation compiles them, each tree round timed in pairs with an ar
+step (``measure``).  The result is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine, jax version, program and batch,
 so later runs decide at once.  The context length is not part of the key: at these lengths a round's cost is
 the weights' read, and the first request's shapes are the ones measured (recorded in the file).
 """
@@ -21,12 +21,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 
 from dtree_jax import cpu_options, loop
 
 REPEATS = 5
+TIMING = "tree rounds interleaved with ar steps"  # how ``measure`` times; part of the cache key
+clock = time.perf_counter
 
 
 def machine() -> dict:
@@ -45,11 +48,11 @@ def machine() -> dict:
 
 def program_key(spec: loop.Spec, batch: int, baked: bool) -> dict:
     """The parts of a generation that set its round's cost (the context length, stop ids and output length
-    left out: see the module docstring)."""
-    target = getattr(spec.target, "__name__", type(spec.target).__name__)
-    fields = dataclasses.replace(spec, target=target, max_new_tokens=0, cache_len=0, stop_ids=(), budget=0,
-                                 stream=False, mesh=None)
-    return dict(spec=repr(fields), batch=batch, baked=baked, mesh=repr(spec.mesh))
+    left out: see the module docstring; the implementations by name, not by where they are installed)."""
+    name = lambda impl: getattr(impl, "__name__", type(impl).__name__)  # noqa: E731
+    fields = dataclasses.replace(spec, target=name(spec.target), drafter=name(spec.drafter), max_new_tokens=0,
+                                 cache_len=0, stop_ids=(), budget=0, stream=False, mesh=None)
+    return dict(spec=repr(fields), batch=batch, baked=baked, mesh=repr(spec.mesh), timing=TIMING)
 
 
 def cache_file(cache: Path, key: dict) -> Path:
@@ -57,37 +60,54 @@ def cache_file(cache: Path, key: dict) -> Path:
     return cache / "round-costs" / f"{digest}.json"
 
 
+def round_program(spec: loop.Spec, tparams, dparams, inputs: tuple) -> Callable[[], Any]:
+    """One round of ``spec`` from the state after prefilling ``inputs``, compiled as generations compile it and
+    run once untimed (a fresh program's first run is slower); returns the call that runs it."""
+    dp = dparams if spec.record.drafts else None
+    state = loop.prefill_on_device(spec, tparams, dp, *inputs)
+    program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh,
+                                       bake=functools.partial(loop.unshared_heads, spec))
+    run = lambda: jax.block_until_ready(program(tparams, dp, inputs[-1], state))  # noqa: E731
+    run()
+    return run
+
+
 def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
             repeats: int = REPEATS, log=sys.stderr) -> dict[int, float]:
     """Median seconds of one round per budget (``specs[0]`` is plain ar), from the state after prefilling
-    ``inputs`` (prompts, lengths, keys, temperature).  Tree budgets are measured in increasing order and measuring
-    stops at the first one whose expected rate ``tau / seconds`` falls below the previous tree's (a wider tree
-    costs more a round and gains less tau each step); plain ar does not stop it."""
-    seconds, best = {}, 0.0
-    for i, budget in enumerate(sorted(specs)):
-        spec = specs[budget]
+    ``inputs`` (prompts, lengths, keys, temperature).  Each tree round is timed in pairs with an ar step (ar,
+    tree, ar, tree, ...), and its seconds are the median ratio of the pairs times the median of every ar step:
+    other work on the machine while one budget is timed slows both sides of its pairs, not that budget alone.
+    Tree budgets are measured in increasing order, and measuring stops at the first one whose expected rate
+    ``tau / seconds`` falls below the previous tree's (a wider tree costs more a round and gains less tau each
+    step); plain ar does not stop it."""
+
+    def timed(run) -> float:
+        t0 = clock()
+        run()
+        return clock() - t0
+
+    budgets = sorted(specs)
+    ar_times, ratios, best = [], {}, 0.0
+    for i, budget in enumerate(budgets):
         if log is not None:
             print(f"\rbudget auto: measuring this machine's round costs (once): budget {budget} "
                   f"({i + 1}/{len(specs)})", end="", file=log, flush=True)
-        dp = dparams if spec.record.drafts else None
-        state = loop.prefill_on_device(spec, tparams, dp, *inputs)
-        program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh,
-                                           bake=functools.partial(loop.unshared_heads, spec))
-        run = lambda: program(tparams, dp, inputs[-1], state)  # noqa: E731
-        jax.block_until_ready(run())  # the first run of a fresh program is slower: untimed
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append(time.perf_counter() - t0)
-        seconds[budget] = statistics.median(times)
-        rate = taus[budget] / seconds[budget]
-        if budget > 0 and rate < best:
+        run = round_program(specs[budget], tparams, dparams, inputs)
+        if budget == 0:
+            ar, ar_times = run, [timed(run) for _ in range(repeats)]
+            continue
+        pairs = [(timed(ar), timed(run)) for _ in range(repeats)]
+        ar_times += [a for a, _ in pairs]
+        ratios[budget] = statistics.median(t / a for a, t in pairs)
+        rate = taus[budget] / ratios[budget]
+        if rate < best:
             break
-        best = rate if budget > 0 else 0.0
+        best = rate
     if log is not None:
         print("\r" + " " * 90 + "\r", end="", file=log, flush=True)
-    return seconds
+    ar_seconds = statistics.median(ar_times)
+    return {0: ar_seconds, **{b: r * ar_seconds for b, r in ratios.items()}}
 
 
 def seconds_per_round(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],

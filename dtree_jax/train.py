@@ -71,11 +71,16 @@ def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+def stdlib_root() -> pathlib.Path:
+    """Where this Python's standard library sources live."""
+    return pathlib.Path(json.__file__).resolve().parent.parent
+
+
 def stdlib_files(split: str, held_out_fraction: float = 0.1) -> list[pathlib.Path]:
     """The standard library's top-level and package ``.py`` files (no tests), split by a hash of the name."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    root = pathlib.Path(json.__file__).resolve().parent.parent
+    root = stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
                    and "tests" not in p.parts and "idle_test" not in p.parts)
     if not files:

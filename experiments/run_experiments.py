@@ -45,8 +45,19 @@ from experiments.bench_decode import heldout_prompts  # noqa: E402
 RESULTS = ROOT / "experiments" / "results"
 
 
+def cpu_model() -> str:
+    """The processor's model name (Linux ``/proc/cpuinfo``; hosts of our kind differ: AMD EPYC, Intel Xeon)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
+
+
 def machine() -> dict:
-    return dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend())
+    return dict(platform=platform.platform(), processor=cpu_model(), cpus=os.cpu_count(), jax=jax.__version__,
+                backend=jax.default_backend())
 
 
 class Runner:
@@ -179,12 +190,20 @@ def calibrate(runner: Runner, budgets, batches) -> dict:
                 max_new_tokens=runner.max_new, method="dominotree")
 
 
+def _store_round_seconds(file: pathlib.Path, cal: dict) -> None:
+    """Writes ``cal`` into the drafter's calibration file, but keeps a tau per budget that
+    ``eval_drafter.py --calibrate`` measured there (``tau_measured``): that one comes from more prompts."""
+    old = json.loads(file.read_text()) if file.is_file() else {}
+    kept = {k: old[k] for k in ("tau_by_budget", "tau_measured") if "tau_measured" in old}
+    file.write_text(json.dumps({**cal, **kept}, indent=2) + "\n")
+
+
 def part_goodput(run: Runner, calib: Runner, drafter, budgets, batches) -> dict:
     t0 = time.perf_counter()
     cal = calibrate(calib, budgets, batches)
     cal_seconds = time.perf_counter() - t0
     if drafter.path:
-        (pathlib.Path(drafter.path) / CALIBRATION_FILE).write_text(json.dumps(cal, indent=2) + "\n")
+        _store_round_seconds(pathlib.Path(drafter.path) / CALIBRATION_FILE, cal)
     rows = []
     for bs in batches:
         ar = run("ar", batch=bs)

@@ -9,8 +9,9 @@
     python experiments/train_smollm2.py train --data DIR1 DIR2 ...                     # several sets together
     python experiments/train_smollm2.py text --passages 800 --seed 5 --data DIR3      # stored text, no generation
 
-Data (shards of the target's greedy responses, taps and top-K candidates) goes to ``--data`` (default
-``<cache>/smollm2-distill``), training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
+Data (shards of the target's greedy responses, or with ``text`` of stored source passages, with the taps and
+top-K candidates) goes to ``--data`` (default ``<cache>/smollm2-distill``; ``text``: ``<cache>/smollm2-text``),
+training checkpoints to ``--ckpt`` (``<cache>/smollm2-domino-train``), the
 exported drafter to ``--out`` (``<cache>/smollm2-domino``), ``<cache>`` being ``convert.cache_dir()``.  Both
 the data and the training steps resume where they stopped.  The recipe and the loss curve go to
 ``experiments/results/train_smollm2_drafter.json``; the held-out prompts for later experiments (from files
@@ -33,9 +34,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dtree_jax import distill, train  # noqa: E402
+from dtree_jax.cli import _positive_int  # noqa: E402
 from dtree_jax.convert import cache_dir  # noqa: E402
 from dtree_jax.models import drafter  # noqa: E402
-from experiments.train_tiny import machine  # noqa: E402
+from experiments.run_experiments import machine  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 OBJECTIVE = (
@@ -91,7 +93,18 @@ def _target(path: str | None):
     return load_model(path or smollm2_gguf())
 
 
+def _check_source(out: pathlib.Path, source: str) -> None:
+    """ValueError when ``out`` already holds shards of the other kind (generated responses vs stored text), before
+    anything in it is written."""
+    manifest = out / distill.MANIFEST
+    if manifest.is_file():
+        held = json.loads(manifest.read_text())["settings"].get("source", "generated")
+        if held != source:
+            raise ValueError(f"{out} holds {held} shards; pass another --data for {source} shards")
+
+
 def run_data(a) -> dict:
+    _check_source(pathlib.Path(a.data[0]), "generated")
     target = _target(a.target)
     prompts = distill.stdlib_prompts("train", a.prompts, seed=a.seed, chat_fraction=a.chat_fraction)
     kept, ids = distill.encode_prompts(target.path, prompts, a.prompt_tokens)
@@ -127,10 +140,12 @@ def run_data(a) -> dict:
 
 def run_text(a) -> dict:
     """Shards from stored text: passages of the train-split files, recorded by the target's causal forward."""
+    out = pathlib.Path(a.data[0])
+    _check_source(out, "text")
     target = _target(a.target)
     passages = distill.stdlib_passages("train", a.passages, seed=a.seed)
     _, ids = distill.encode_prompts(target.path, passages, a.passage_tokens)
-    out = pathlib.Path(a.data[0])
+    print(f"{len(ids)} passages", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     made = dict(source="text", requested=a.passages, seed=a.seed, passage_tokens=a.passage_tokens,
                 context_tokens=a.context_tokens)
@@ -200,7 +215,7 @@ def run_train(a) -> None:
         backbone_steps=a.backbone_steps,
         head_steps=a.head_steps,
         lambda_final=0.3,
-        loss_decay_gamma=a.loss_decay_gamma,
+        **({} if a.loss_decay_gamma is None else dict(loss_decay_gamma=a.loss_decay_gamma)),  # older runs resume
         seed=a.seed,
         init=_describe_init(a.init) if a.init else None,
         data=list(data.settings),
@@ -281,8 +296,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--data",
         nargs="+",
-        default=[str(cache_dir() / "smollm2-distill")],
-        help="data directory (train: one or more, used together)",
+        help="data directory (train: one or more, used together; default <cache>/smollm2-distill, "
+        "text: <cache>/smollm2-text)",
     )
     p.add_argument("--ckpt", default=str(cache_dir() / "smollm2-domino-train"))
     p.add_argument("--out", default=str(cache_dir() / "smollm2-domino"))
@@ -299,14 +314,16 @@ def main(argv=None) -> int:
     )
     g.add_argument("--prompt-tokens", type=int, default=128)
     g.add_argument("--max-new-tokens", type=int, default=96)
-    g.add_argument("--shard-size", type=int, default=32, help="prompts per shard (= the generation batch)")
+    g.add_argument("--shard-size", type=int, default=32,
+                   help="prompts (text: passages) per shard (= the generation batch)")
     g.add_argument("--top-k", type=int, default=32, help="target candidates stored per position")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--taps", type=int, nargs="+", default=[1, 15, 29])
     g = p.add_argument_group("text (shards from stored source text, nothing generated)")
-    g.add_argument("--passages", type=int, default=800, help="source passages of the train-split files")
-    g.add_argument("--passage-tokens", type=int, default=256, help="tokens recorded per passage")
-    g.add_argument("--context-tokens", type=int, default=16, help="leading tokens of a passage used as context only")
+    g.add_argument("--passages", type=_positive_int, default=800, help="source passages of the train-split files")
+    g.add_argument("--passage-tokens", type=_positive_int, default=256, help="tokens recorded per passage")
+    g.add_argument("--context-tokens", type=_positive_int, default=16,
+                   help="leading tokens of a passage used as context only (at most passage tokens - 2)")
     g = p.add_argument_group("train")
     g.add_argument(
         "--init", help="warm start from this HF-layout drafter (its architecture; --layers etc. are ignored)"
@@ -337,6 +354,10 @@ def main(argv=None) -> int:
     g.add_argument("--stop-at", type=int, default=None, help="stop at this step (resume later with --resume)")
     g.add_argument("--resume", action="store_true", help="continue the run in --ckpt")
     a = p.parse_args(argv)
+    if a.data is None:
+        a.data = [str(cache_dir() / ("smollm2-text" if a.stage == "text" else "smollm2-distill"))]
+    if a.stage == "text" and a.context_tokens > a.passage_tokens - 2:
+        p.error(f"--context-tokens must be at most --passage-tokens - 2 = {a.passage_tokens - 2}")
     if a.loss_decay_gamma is not None and not a.loss_decay_gamma > 0:
         p.error(f"--loss-decay-gamma must be > 0, got {a.loss_decay_gamma}")
     if a.stage in ("data", "text", "all") and len(a.data) != 1:

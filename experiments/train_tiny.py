@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import sys
 import tempfile
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from dtree_jax import train  # noqa: E402
 from dtree_jax.models import decoder, drafter  # noqa: E402
+from experiments.run_experiments import machine  # noqa: E402
 
 TARGET_CONFIG = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=train.VOCAB_SIZE, hidden_size=256,
@@ -49,12 +49,6 @@ def drafter_config(block_size: int, shift_label: bool) -> dict:
         dflash_config=dict(mask_token_id=train.MASK, target_layer_ids=[1, 3], projector_type="domino",
                            pure_draft_prefix_len=1, emb_dim=64, gru_hidden_dim=64, shift_label=shift_label),
     )
-
-
-def machine() -> dict:
-    import os
-
-    return dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend())
 
 
 def write_log(name: str, payload: dict, results: pathlib.Path) -> None:

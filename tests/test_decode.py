@@ -284,6 +284,31 @@ def test_auto_budget_measures_this_machine_once(models, tmp_path, monkeypatch):
     assert measured == [1, 1] and json.loads(entry.read_text())["seconds"]
 
 
+def test_round_costs_time_each_tree_in_pairs_with_ar(monkeypatch):
+    """Other work on the machine while one budget is timed (3x slower, budget 2 here) slows that budget's ar steps
+    as well: the costs come out as the programs' own (ar 1 s, budget 2 2 s, budget 4 3 s), not 6 s for budget 2.
+    Measuring stops at the first budget whose expected rate falls below the previous tree's."""
+    from dtree_jax import round_costs
+
+    now, load, own = [0.0], [1.0], {0: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}
+
+    def program(budget, *_):  # a "compiled round" that advances the fake clock by its cost times the load
+        load[0] = 3.0 if budget == 2 else 1.0
+        return lambda: now.__setitem__(0, now[0] + own[budget] * load[0])
+
+    monkeypatch.setattr(round_costs, "round_program", program)
+    monkeypatch.setattr(round_costs, "clock", lambda: now[0])
+    taus = {0: 1.0, 2: 1.9, 4: 2.9, 8: 3.0}
+    seconds = round_costs.measure({b: b for b in own}, None, None, (), taus, log=None)
+    assert seconds == pytest.approx({0: 1.0, 2: 2.0, 4: 3.0, 8: 4.0})  # 8 measured, then it stops (0.75 < 0.97)
+    loaded = program(2)
+    t0 = now[0]
+    loaded()
+    assert now[0] - t0 == 6.0  # control: the load is real; timed alone, budget 2 would cost 6 s a round
+    seconds = round_costs.measure({b: b for b in own}, None, None, (), {**taus, 4: 2.5}, log=None)
+    assert sorted(seconds) == [0, 2, 4]  # budget 4's rate (0.83) falls below budget 2's (0.95): 8 is not measured
+
+
 def test_pallas_attention_in_interpret_mode_stays_lossless(models, ar_tokens):
     """The decode loop on the Pallas tree-attention kernel (interpret mode on CPU), target and drafter."""
     import dataclasses

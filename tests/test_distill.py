@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -213,7 +212,7 @@ def test_batches_are_a_function_of_the_step(data_dir):
     )
 
 
-def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_path):
+def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_path, monkeypatch):
     from experiments import train_smollm2 as ts
 
     d, target = _target()
@@ -261,7 +260,15 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
             ts.main([stage, "--data", str(tmp_path / "x"), str(tmp_path / "y")])
     with pytest.raises(SystemExit):
         ts.main(["train", *args, "--loss-decay-gamma", "0"])
+    with pytest.raises(SystemExit):  # before the target loads
+        ts.main(["text", "--data", str(tmp_path / "t"), "--passage-tokens", "20", "--context-tokens", "19"])
+    with pytest.raises(ValueError, match="holds generated shards"):  # nothing written into it
+        ts.main(["text", "--data", str(data_dir)])
+    assert not (data_dir / ts.PROMPTS_FILE).exists()
+    gammas, real_loss = [], distill.distill_loss
+    monkeypatch.setattr(distill, "distill_loss", lambda *a: gammas.append(a[7]) or real_loss(*a))
     ts.main(["train", *args, "--stop-at", "2"])
+    assert gammas and set(gammas) == {4.0}  # the flag reaches the objective
     assert not (tmp_path / "drafter").exists()
     with pytest.raises(ValueError, match="--resume"):
         ts.main(["train", *args])
@@ -386,7 +393,7 @@ def test_text_shards_record_the_targets_forward_over_stored_text(tmp_path):
         top = np.argsort(-np.asarray(logits[i, : len(p)]), -1)[:, :8]
         np.testing.assert_array_equal(data.top_ids[i, : len(p)], top)
     b = distill.batch_at(data, 0, batch=2, blocks=5, negatives=0, vocab=128, seed=0)
-    assert (b["anchors"] >= 4).all()
+    assert (b["anchors"] >= 4).all() and (b["anchors"] <= (b["lens"] - 2)[:, None]).all()
     stats = distill.data_stats(tmp_path)
     assert stats["text_tokens"] == sum(len(p) - 4 for p in kept) and stats["generated_tokens"] == 0
     before = {f.name: f.stat().st_mtime_ns for f in tmp_path.glob("shard-*.npz")}
@@ -404,5 +411,9 @@ def test_passages_come_from_train_files_and_are_reproducible():
     train_files = {str(f) for f in train.stdlib_files("train")}
     got = distill.stdlib_passages("train", 6, seed=3)
     assert got == distill.stdlib_passages("train", 6, seed=3) != distill.stdlib_passages("train", 6, seed=4)
-    root = pathlib.Path(json.__file__).resolve().parent.parent
+    root = train.stdlib_root()
     assert all(p.kind == "text" and str(root / p.source) in train_files and p.text for p in got)
+    for p in got:  # whole lines, in order, of one file
+        lines = (root / p.source).read_text(encoding="utf-8", errors="replace").splitlines()
+        part = p.text.splitlines()
+        assert 1 <= len(part) <= 120 and any(lines[i : i + len(part)] == part for i in range(len(lines)))
