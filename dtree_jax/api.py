@@ -26,6 +26,7 @@ from dtree_jax.planning import (
     check_token_ids,
     choose_auto,
     device_memory_bytes,
+    draft_vocabulary,
     encode_requests,
     make_spec,
     memory_estimate,
@@ -44,7 +45,7 @@ def generate(
     stop_ids: Sequence[int] | None = None, prompt_bucket: int | None = None, cache_len: int | None = None,
     instrument: bool = False, calibration: dict | str | None = None, attention_impl: str | None = None,
     kernel_platform: str | None = None, chat: bool = False, mesh=None,
-    stream: Callable[[list[list[int]]], None] | None = None,
+    stream: Callable[[list[list[int]]], None] | None = None, draft_vocab: str | Sequence[int] | None = "auto",
 ) -> Generation:
     """Generates continuations of ``prompts`` with ``method`` on device.
 
@@ -63,7 +64,9 @@ def generate(
     (a ``Mesh`` with axes ``data`` / ``model``, ``"data=2,model=4"`` or a dict) runs the same generation sharded
     (``models.sharding``): params, caches and the decode state placed on it, the same tokens as on one device.
     ``stream`` (one device) is called on the host each time tokens are committed, with each request's new
-    token ids (``[]`` for a request that committed none); the returned ``tokens`` are the same.
+    token ids (``[]`` for a request that committed none); the returned ``tokens`` are the same.  ``draft_vocab``:
+    the tokens the drafter may propose (``planning.draft_vocabulary``: "auto" uses the drafter's
+    ``draft_vocab.json`` where the weights are baked in, None every token); the drafts change, the output does not.
     """
     mesh = sharding.as_mesh(mesh)
     if stream is not None and (mesh is not None or not callable(stream)):
@@ -73,7 +76,7 @@ def generate(
                           max_new_tokens=max_new_tokens, prompt_bucket=prompt_bucket, mesh=mesh)
     knobs = dict(node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth, max_new_tokens=max_new_tokens,
                  prompt_bucket=req.prompt_bucket, stop_ids=req.stop_ids, top_k=top_k, top_p=top_p,
-                 cache_len=cache_len, mesh=mesh)
+                 cache_len=cache_len, mesh=mesh, draft_vocab=draft_vocabulary(target, drafter, draft_vocab, mesh))
     auto = None
     if budget == "auto":
         method, budget, auto = choose_auto(target, drafter, method, calibration, knobs, (*req.inputs, req.temperature))
@@ -94,5 +97,6 @@ def generate(
 
 
 __all__ = ["METHODS", "Generation", "Model", "abstract_generation", "check_fit", "check_memory", "check_token_ids",
-           "choose_auto", "compilations", "cpu_layout", "device_memory_bytes", "eos_ids", "generate", "load_model",
-           "make_spec", "memory_estimate", "model_for_mesh", "request_keys", "trace_generation", "with_kernels"]
+           "choose_auto", "compilations", "cpu_layout", "device_memory_bytes", "draft_vocabulary", "eos_ids",
+           "generate", "load_model", "make_spec", "memory_estimate", "model_for_mesh", "request_keys",
+           "trace_generation", "with_kernels"]

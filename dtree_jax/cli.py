@@ -146,7 +146,8 @@ def _print_result(args, prompts, chat: bool, result, baseline, timings, tokenize
         text = tokenizer.decode(toks) if tokenizer is not None else None
         speedup = _timing(result, baseline, timings, i)
         if args.json:
-            extra = {} if speedup is None else dict(speedup_spread=speedup[1:], timing=timings)
+            extra = {} if speedup is None else dict(speedup_spread=speedup[1:], timing=timings,
+                                                    same_output_as_ar=baseline.tokens[i] == toks)
             print(json.dumps(dict(prompt=prompts[i], tokens=toks, text=text, auto=result.auto,
                                   speedup_vs_ar=None if speedup is None else speedup[0], **st, **extra)))
             continue
@@ -210,7 +211,8 @@ def run_generate(args) -> int:
     tokenizer = load_tokenizer(target.path) if target.path else None
     knobs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl,
-                 kernel_platform=args.kernel_platform, chat=chat, mesh=mesh)
+                 kernel_platform=args.kernel_platform, chat=chat, mesh=mesh,
+                 draft_vocab=None if args.draft_vocab == "full" else "auto")
     budget = args.budget if args.budget is not None else ("auto" if drafter is not None else 32)
     streamed = not args.json and len(prompts) == 1 and mesh is None and jax.process_index() == 0
     stream = None
@@ -304,6 +306,9 @@ def add_generate(sub) -> None:
     p.add_argument("--corr-topm", type=int, default=None,
                    help="Domino candidate width M (0 = full vocabulary; default: full for domino, 64 for "
                         "dominotree and condstatic)")
+    p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                   help="tokens the drafter may propose: auto = its draft_vocab.json where the weights are baked in "
+                        "(CPU), else all; full = all (the output is the same either way)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (lossless)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")

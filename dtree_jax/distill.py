@@ -364,6 +364,21 @@ def data_stats(*dirs: str | pathlib.Path) -> dict:
     return stats
 
 
+def label_counts(vocab_size: int, *dirs: str | pathlib.Path) -> np.ndarray:  # -> [V] int64
+    """How often the target's top-1 prediction is each token, over every position a drafter is trained on
+    (after the prompt or context, up to the last token) of the data directories ``dirs``: the tokens the target
+    emits there (``experiments/draft_vocab.py`` ranks them into a draft vocabulary)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for d in map(pathlib.Path, dirs):
+        settings = _read_settings(d)
+        for i in range(-(-settings["num_prompts"] // settings["shard_size"])):
+            with np.load(_shard_path(d, i)) as z:
+                top1, lens, starts = z["top_ids"][..., 0], z["lens"], np.maximum(z["prompt_lens"] - 1, 0)
+                for row, start, end in zip(top1, starts, lens - 1):
+                    np.add.at(counts, row[start:end], 1)
+    return counts
+
+
 @dataclasses.dataclass(frozen=True)
 class Distilled:
     """All shards of one or more data directories in memory (arrays as in ``generate_shards``, concatenated;

@@ -53,6 +53,7 @@ class Spec:
     top_p: float
     mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to its leaves' declared axes
     stream: bool = False  # hand every round's committed tokens to the host as they are committed (``streaming``)
+    draft_vocab: Any = None  # a ``drafter.DraftVocab`` for programs with baked weights (``unshared_heads``); None: all
 
     @property
     def record(self) -> builders.Method:
@@ -153,10 +154,12 @@ def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B] -> ([B], 
 
 def unshared_heads(spec: Spec, tparams, dparams) -> tuple:
     """The weights a program bakes in (``cpu_options.compile_here``'s ``bake``): the drafter gets its own copy of
-    the target's output head (``drafter.with_own_head``), so XLA:CPU packs the draft's and the verify's heads."""
+    the target's output head (``drafter.with_own_head``; only the draft vocabulary's columns when the spec has
+    one), so XLA:CPU packs the draft's and the verify's heads."""
     if dparams is None or not spec.record.drafts:
         return tparams, dparams
-    return tparams, spec.drafter.with_own_head(dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg)
+    return tparams, spec.drafter.with_own_head(dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg,
+                                               spec.draft_vocab)
 
 
 def draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRound | None:

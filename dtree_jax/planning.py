@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax import builders, loop, round_costs
+from dtree_jax import builders, checkpoint_files, cpu_options, loop, round_costs
 from dtree_jax.cost import auto_budget, choose_budget, load_calibration, parse_taus
 from dtree_jax.loading import Model
 from dtree_jax.models import sharding
+from dtree_jax.models.drafter import DraftVocab
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a drafter: {"token_ids": [...], ...} (experiments/draft_vocab.py)
 
 
 def check_fit(target: Model, drafter: Model) -> None:
@@ -119,6 +122,29 @@ def request_keys(seed: int, batch: int) -> jax.Array:  # [batch] keys
     return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(batch))
 
 
+def draft_vocabulary(target: Model, drafter: Model | None, draft_vocab, mesh=None) -> DraftVocab | None:
+    """``generate``'s ``draft_vocab``: "auto" (the drafter's ``DRAFT_VOCAB_FILE`` where the weights are baked
+    in, ``cpu_options.bakes_weights``; else every token), None (every token), or the token ids themselves (only
+    where the weights are baked in: elsewhere the drafter reads the target's whole head, so ValueError)."""
+    if draft_vocab is None or drafter is None:
+        return None
+    baked = cpu_options.bakes_weights(mesh, target.params, drafter.params)
+    if isinstance(draft_vocab, str):
+        if draft_vocab != "auto":
+            raise ValueError(f"draft_vocab must be 'auto', None or a sequence of token ids, got {draft_vocab!r}")
+        if not baked or drafter.path is None or not checkpoint_files.present(drafter.path, DRAFT_VOCAB_FILE):
+            return None
+        try:
+            return DraftVocab.of(checkpoint_files.read_json(drafter.path, DRAFT_VOCAB_FILE).get("token_ids"),
+                                 target.embedding_shape[0])
+        except ValueError as e:
+            raise ValueError(f"{drafter.path}/{DRAFT_VOCAB_FILE}: {e}") from None
+    if not baked:
+        raise ValueError("draft_vocab: a draft vocabulary applies where the weights are baked in (the CPU backend, "
+                         "no mesh, weights up to cpu_options.BAKE_LIMIT_BYTES); here the drafter reads the whole head")
+    return DraftVocab.of(draft_vocab, target.embedding_shape[0])
+
+
 def bucket(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
@@ -150,8 +176,10 @@ def make_spec(
     cache_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     stream: bool = False,
+    draft_vocab: DraftVocab | None = None,
 ) -> loop.Spec:
-    """Validates the knobs and returns the static description of a generation (on ``mesh``, if given)."""
+    """Validates the knobs and returns the static description of a generation (on ``mesh``, if given);
+    ``draft_vocab`` (``draft_vocabulary``) is kept only for methods that draft."""
     record = builders.get_method(method)
     if record.drafts:
         _check_drafter(record, target, drafter)
@@ -185,6 +213,7 @@ def make_spec(
         top_p=float(top_p),
         mesh=mesh,
         stream=stream,
+        draft_vocab=draft_vocab if record.drafts else None,
     )
     need = prompt_bucket + max_new_tokens + spec.draft_span
     if cache_len is None:

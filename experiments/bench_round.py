@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dtree_jax import api, cpu_options, loop  # noqa: E402
+from dtree_jax import api, cpu_options, loop, planning  # noqa: E402
 from dtree_jax.cli import DEFAULT_REQUEST, SHIPPED_DRAFTER, shipped  # noqa: E402
 from dtree_jax.cpu_options import OPTION_SETS  # noqa: E402
 from dtree_jax.gguf import smollm2_gguf  # noqa: E402
@@ -42,11 +42,12 @@ from dtree_jax.text import encode_prompts  # noqa: E402
 from experiments.run_experiments import RESULTS, machine  # noqa: E402
 
 
-def pieces(target, drafter, budget: int, prompt: list[int], max_new: int) -> dict:
+def pieces(target, drafter, budget: int, prompt: list[int], max_new: int, draft_vocab=None) -> dict:
     """``name -> (function, args)`` for one budget: the ar step, the tree round's stages and the whole round,
-    and the target's output head alone at 1 and at N rows."""
+    and the target's output head alone at 1 and at N rows; ``draft_vocab`` (``drafter.DraftVocab``) goes to the
+    tree's spec."""
     knobs = dict(node_topk=8, corr_topm=None, max_depth=None, max_new_tokens=max_new, prompt_bucket=len(prompt),
-                 stop_ids=(), top_k=0, top_p=1.0)
+                 stop_ids=(), top_k=0, top_p=1.0, draft_vocab=draft_vocab)
     ar = api.make_spec(target, None, "ar", budget=1, **knobs)
     tree = api.make_spec(target, drafter, "dominotree", budget=budget, **knobs)
     temp = jnp.float32(0.0)
@@ -80,6 +81,7 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     "baked+ynn": (True, OPTION_SETS["ynn"]),  # what dtree_jax compiles CPU generations with (cpu_options)
     "baked+xnn": (True, OPTION_SETS["xnn"]),
     "baked+onednn": (True, OPTION_SETS["onednn"]),
+    "baked+ynn+vocab": (True, OPTION_SETS["ynn"]),  # + the drafter's draft vocabulary (its draft_vocab.json)
 }
 
 
@@ -183,22 +185,27 @@ def main(argv=None) -> int:
     target = api.load_model(smollm2_gguf())
     drafter = api.load_model(shipped(SHIPPED_DRAFTER))
     prompt = encode_prompts(target.path, [DEFAULT_REQUEST], chat=True)[0]
+    vocab = planning.draft_vocabulary(target, drafter, "auto")
+    if vocab is None and any(o.endswith("+vocab") for o in option_names):
+        parser.error(f"a +vocab mode needs {planning.DRAFT_VOCAB_FILE} beside the drafter (experiments/draft_vocab.py)")
     results = []
     for budget in budgets:
-        named = pieces(target, drafter, budget, prompt, max_new=128)
+        named = {o: pieces(target, drafter, budget, prompt, max_new=128,
+                           draft_vocab=vocab if o.endswith("+vocab") else None) for o in option_names}
         weights = (target.params, drafter.params)
-        baked_as = loop.unshared_heads(named["round"][1][0], *weights)
-        compiled = {o: compile_all(named, weights, o, baked_as) for o in option_names}
+        compiled = {o: compile_all(named[o], weights, o, loop.unshared_heads(named[o]["round"][1][0], *weights))
+                    for o in option_names}
         # Interleave the modes too: one repeat of every piece in every mode, then the next repeat.
-        times = {o: {name: [] for name in named} for o in option_names}
+        times = {o: {name: [] for name in named[o]} for o in option_names}
         for _ in range(args.repeats):
             for o in option_names:
                 for name, ts in time_interleaved(compiled[o], 1).items():
                     times[o][name] += ts
         for o in option_names:
             rows = summary(times[o])
-            spec = named["round"][1][0]
-            results.append(dict(budget=budget, verify_rows=spec.num_nodes, draft_rows=spec.draft_depth, mode=o, baked=MODES[o][0], xla_options=MODES[o][1], stages=rows,
+            spec = named[o]["round"][1][0]
+            results.append(dict(budget=budget, verify_rows=spec.num_nodes, draft_rows=spec.draft_depth, mode=o,
+                                draft_vocab=len(spec.draft_vocab.ids) if spec.draft_vocab else None, baked=MODES[o][0], xla_options=MODES[o][1], stages=rows,
                                 compile_s={k: v[2] for k, v in compiled[o].items()},
                                 stage_sum_x_ar=sum(rows[k]["x_ar"] for k in ("draft", "build", "verify", "commit")),
                                 times_ms={k: [t * 1e3 for t in v] for k, v in times[o].items()}))

@@ -48,22 +48,28 @@ def prompt_sets(target, n: int) -> dict[str, list[list[int]]]:
     }
 
 
-def _tau(stats: list[dict]) -> dict:
-    """Generated tokens after the root over rounds, summed over requests."""
+def _tau(stats: list[dict], tokens: list[list[int]], vocab: set | None = None) -> dict:
+    """Generated tokens after the root over rounds, summed over requests; with a draft ``vocab``, the share of
+    the generated tokens inside it (``in_vocab``)."""
     gen, rounds = sum(s["generated"] for s in stats), sum(s["rounds"] for s in stats)
-    return dict(tau=(gen - len(stats)) / max(rounds, 1), generated=gen, rounds=rounds, prompts=len(stats))
+    row = dict(tau=(gen - len(stats)) / max(rounds, 1), generated=gen, rounds=rounds, prompts=len(stats))
+    if vocab is not None:
+        row["in_vocab"] = sum(t in vocab for ts in tokens for t in ts) / max(sum(map(len, tokens)), 1)
+    return row
 
 
-def taus(target, drafter, sets: dict[str, list[list[int]]], budget: int, max_new: int) -> dict:
+def taus(target, drafter, sets: dict[str, list[list[int]]], budget: int, max_new: int, draft_vocab="auto") -> dict:
     """``kind -> {tau, generated, rounds, prompts}`` (and ``held-out``: chat + continue), every set's prompts in
-    one batch (one compilation)."""
+    one batch (one compilation); ``draft_vocab`` goes to ``generate`` (token ids: ``in_vocab`` too)."""
     prompts = [p for ps in sets.values() for p in ps]
     g = generate(target, prompts, "dominotree", drafter, budget=budget, max_new_tokens=max_new,
-                 prompt_bucket=PROMPT_TOKENS)
+                 prompt_bucket=PROMPT_TOKENS, draft_vocab=draft_vocab)
+    vocab = None if draft_vocab is None or isinstance(draft_vocab, str) else set(draft_vocab)
     rows, i = {}, 0
     for kind, ps in sets.items():
-        rows[kind], i = g.stats[i : i + len(ps)], i + len(ps)
-    return {"held-out": _tau(rows["chat"] + rows["continue"]), **{k: _tau(v) for k, v in rows.items()}}
+        rows[kind], i = (g.stats[i : i + len(ps)], g.tokens[i : i + len(ps)]), i + len(ps)
+    held = tuple(a + b for a, b in zip(rows["chat"], rows["continue"]))
+    return {"held-out": _tau(*held, vocab), **{k: _tau(*v, vocab) for k, v in rows.items()}}
 
 
 CALIBRATION_BUDGETS = (4, 8, 16, 32)
@@ -79,7 +85,7 @@ def calibrate(target, path: str, offset: int) -> dict:
     for budget in CALIBRATION_BUDGETS:
         g = generate(target, ids, "dominotree", drafter, budget=budget, max_new_tokens=CALIBRATION_NEW_TOKENS,
                      prompt_bucket=PROMPT_TOKENS)
-        taus[str(budget)] = _tau(g.stats)["tau"]
+        taus[str(budget)] = _tau(g.stats, g.tokens)["tau"]
         print(f"budget {budget}: tau {taus[str(budget)]:.2f}", flush=True)
     file = pathlib.Path(path) / "calibration.json"
     cal = json.loads(file.read_text()) if file.is_file() else {}

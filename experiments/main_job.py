@@ -56,7 +56,8 @@ def main(argv=None) -> int:
             ar = sorted(r[0] for r in row["timing"]["ar_tokens_per_second"])
             print(f"run {run}: {row['method']} budget {row['budget']}, tau {row['tau']:.2f}, "
                   f"{row['speedup_vs_ar']:.2f}x ar (spread {row['speedup_spread'][0]:.2f}-{row['speedup_spread'][1]:.2f}; "
-                  f"ar median {ar[len(ar) // 2]:.1f} tok/s), {wall:.0f} s wall | {row['auto']}", flush=True)
+                  f"ar median {ar[len(ar) // 2]:.1f} tok/s), same output as ar: "
+                  f"{'yes' if row['same_output_as_ar'] else 'NO'}, {wall:.0f} s wall | {row['auto']}", flush=True)
     from experiments.run_experiments import machine
 
     payload = dict(machine=machine(), budget=args.budget, timing_pairs=args.timing_pairs, fresh_cache=cache is not None,

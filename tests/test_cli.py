@@ -27,6 +27,7 @@ def test_main_job_runs_from_another_directory():
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["generated"] == 12 and row["text"] and row["budget"] >= 1 and row["speedup_vs_ar"] > 0
+    assert row["same_output_as_ar"] is True
     assert row["tau"] > 1.0  # the trained drafter gets drafts accepted on the default request
     assert row["auto"].startswith("budget auto: ") and "tok/s" in row["auto"]
     timing = row["timing"]
@@ -96,7 +97,7 @@ def test_debug_shows_the_traceback():
         main(["--debug", "generate", "--target", target, "--drafter", drafter, "--budget", "0"])
 
 
-def test_malformed_calibration_gives_one_line(tmp_path, capsys):
+def test_malformed_calibration_or_draft_vocabulary_gives_one_line(tmp_path, capsys):
     import shutil
 
     target, drafter = (shipped(name) for name in SHIPPED_TINY)
@@ -106,6 +107,13 @@ def test_malformed_calibration_gives_one_line(tmp_path, capsys):
     assert main(["generate", "--target", target, "--drafter", str(copy), "--no-compare-ar", "--budget", "auto"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtree-jax: error: ") and "calibration" in err, err
+    (copy / "calibration.json").unlink()
+    (copy / "draft_vocab.json").write_text('{"token_ids": [1, 1]}')  # a damaged draft vocabulary
+    assert main(["generate", "--target", target, "--drafter", str(copy), "--no-compare-ar", "--budget", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtree-jax: error: ") and "draft vocabulary" in err and len(err.strip().splitlines()) == 1
+    assert main(["generate", "--target", target, "--drafter", str(copy), "--no-compare-ar", "--budget", "4",
+                 "--max-new-tokens", "4", "--draft-vocab", "full"]) == 0  # all tokens: the file is not read
 
 
 def test_the_installed_package_runs_the_main_job_from_anywhere(tmp_path):

@@ -6,6 +6,7 @@ where it does not apply."""
 import collections
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -68,6 +69,50 @@ def test_the_drafter_gets_its_own_copy_of_the_targets_head(models):
     assert own_head_constants(own) == 1
     assert own_head_constants(draft.params) == 0
     assert loop.unshared_heads(api.make_spec(target, None, "ar", **knobs), tparams, None) == (tparams, None)
+
+
+def test_a_draft_vocabulary_changes_the_drafts_never_the_output(tmp_path, monkeypatch):
+    """``draft_vocab``: the drafter's own head holds only the listed columns (the target head's logits there, -inf
+    elsewhere).  Drafting from the tokens ar emits still gets drafts accepted; drafting from none of them
+    (control) gets none accepted (a round per token); the tokens are ar's every time.  "auto" reads the
+    drafter's draft_vocab.json; bad ids, and ids where the weights are not baked in, are one ValueError."""
+    from dtree_jax.cli import SHIPPED_TINY, shipped
+
+    target, draft = (api.load_model(shipped(n)) for n in SHIPPED_TINY)  # the trained byte-level pair
+    v, h = target.cfg.vocab_size, target.cfg.hidden_size
+    prompts = [list(b"def add(a, b):\n    return"), list(b"The quick brown fox")]
+    kw = dict(budget=6, max_new_tokens=16, stop_ids=())
+    ar = generate(target, prompts, "ar", **kw)
+    emitted = sorted({t for ts in ar.tokens for t in ts} | {p[-1] for p in prompts})
+    full = generate(target, prompts, "dominotree", draft, draft_vocab=None, **kw)
+    assert full.tokens == ar.tokens and sum(s["rounds"] for s in full.stats) < sum(s["generated"] - 1 for s in full.stats)
+    knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
+                 stop_ids=(), top_k=0, top_p=1.0)
+    vocab = api.draft_vocabulary(target, draft, emitted)
+    spec = api.make_spec(target, draft, "dominotree", draft_vocab=vocab, **knobs)
+    _, own = loop.unshared_heads(spec, target.params, draft.params)
+    assert own.lm_head.shape == (h, len(emitted)) and own.vocab_columns.shape == (v,)
+    ph = jax.random.normal(jax.random.key(0), (2, 3, h))
+    got = drafter.head_logits(own, spec.drafter_cfg, spec.target, target.params, spec.target_cfg, ph)
+    want = spec.target.lm_head(target.params, spec.target_cfg, ph)
+    inside = np.isin(np.arange(v), emitted)
+    np.testing.assert_allclose(np.asarray(got)[..., inside], np.asarray(want)[..., inside], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(np.asarray(got)[..., ~inside]))
+    same = generate(target, prompts, "dominotree", draft, draft_vocab=emitted, **kw)
+    assert same.tokens == ar.tokens and sum(s["rounds"] for s in same.stats) < sum(s["generated"] - 1 for s in same.stats)
+    others = [t for t in range(v) if t not in emitted]
+    none = generate(target, prompts, "dominotree", draft, draft_vocab=others, **kw)
+    assert none.tokens == ar.tokens and all(s["rounds"] == s["generated"] - 1 for s in none.stats)
+    (tmp_path / "draft_vocab.json").write_text(json.dumps(dict(token_ids=others)))
+    assert api.draft_vocabulary(target, dataclasses.replace(draft, path=str(tmp_path)), "auto").ids == tuple(others)
+    assert api.draft_vocabulary(target, draft, "auto") is None  # no file beside it: every token
+    for bad, message in (([], "non-empty"), ([0, 0], "repeated"), ([v], rf"\[0, {v}\)"), ("some", "'auto', None")):
+        with pytest.raises(ValueError, match=message):
+            generate(target, prompts, "dominotree", draft, draft_vocab=bad, **kw)
+    monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
+    with pytest.raises(ValueError, match="baked in"):
+        api.draft_vocabulary(target, draft, emitted)
+    assert api.draft_vocabulary(target, dataclasses.replace(draft, path=str(tmp_path)), "auto") is None
 
 
 def test_new_weights_of_the_same_shapes_get_their_own_program(models, monkeypatch):

@@ -309,6 +309,17 @@ def test_round_costs_time_each_tree_in_pairs_with_ar(monkeypatch):
     assert sorted(seconds) == [0, 2, 4]  # budget 4's rate (0.83) falls below budget 2's (0.95): 8 is not measured
 
 
+def test_round_costs_key_names_the_implementations_not_where_they_are_installed(models):
+    """An installed copy and a source checkout of the package share a machine's round costs."""
+    from dtree_jax import api, round_costs
+
+    _, target, draft = models
+    spec = api.make_spec(target, draft, "dominotree", budget=4, node_topk=4, corr_topm=None, max_depth=None,
+                         max_new_tokens=8, prompt_bucket=16, stop_ids=(), top_k=0, top_p=1.0)
+    key = round_costs.program_key(spec, 1, True)["spec"]
+    assert "drafter='dtree_jax.models.drafter'" in key and ".py" not in key and "/" not in key
+
+
 def test_pallas_attention_in_interpret_mode_stays_lossless(models, ar_tokens):
     """The decode loop on the Pallas tree-attention kernel (interpret mode on CPU), target and drafter."""
     import dataclasses

@@ -407,6 +407,17 @@ def test_text_shards_record_the_targets_forward_over_stored_text(tmp_path):
         distill.record_text_shards(target, passages, tmp_path / "x", **dict(args, context_tokens=19))
 
 
+def test_label_counts_are_the_targets_greedy_tokens(data_dir):
+    """``label_counts`` (what a draft vocabulary is ranked by): on greedy data the target's top-1 after the prompt
+    is the next token of its response, so the counts are the responses' tokens, and no prompt token is counted."""
+    _, target = _target()
+    data = distill.load_shards(data_dir)
+    counts = distill.label_counts(target.cfg.vocab_size, data_dir)
+    responses = np.concatenate([t[p:n] for t, p, n in zip(data.tokens, data.prompt_lens, data.lens)])
+    np.testing.assert_array_equal(counts, np.bincount(responses, minlength=target.cfg.vocab_size))
+    assert counts.sum() == distill.data_stats(data_dir)["generated_tokens"]
+
+
 def test_passages_come_from_train_files_and_are_reproducible():
     train_files = {str(f) for f in train.stdlib_files("train")}
     got = distill.stdlib_passages("train", 6, seed=3)

@@ -17,10 +17,12 @@ Per round (the drafter's context length always equals the target's committed len
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import hashlib
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dtree_jax.models.cache import KVCache, init_kv_cache
 from dtree_jax.models.config import DrafterConfig
@@ -49,8 +51,10 @@ class DrafterParams:
     layers: tuple[LayerParams, ...]
     norm: jax.Array = axes(None)  # [H]
     head: DominoHead | None  # None for a plain DFlash checkpoint
-    # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head (with_own_head)
+    # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head; [H, V'] over a draft vocabulary (with_own_head)
     lm_head: jax.Array | None = axes(None, "vocab", default=None)
+    # [V] int32 with a draft vocabulary: each token's column of lm_head, V' (a -inf column) for the tokens outside
+    vocab_columns: jax.Array | None = axes("vocab", default=None)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
@@ -213,27 +217,69 @@ def tree_inputs(params: DrafterParams, cfg: DrafterConfig, target, target_params
 OWN_HEAD_PAD = 128  # zero columns that make the drafter's copy of the head a different shape from the target's
 
 
-def with_own_head(params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg) -> DrafterParams:
+@dataclasses.dataclass(frozen=True)
+class DraftVocab:
+    """The tokens a drafter may propose (sorted, unique ids; EAGLE-3's "draft vocabulary"): its own head holds
+    only their columns, so drafting reads ``V'`` of the head's ``V`` columns; every other token gets logit -inf in
+    the draft.  Only the drafts change (the target verifies every token as before), so the output does not.
+    Compared and hashed by a digest, so a ``loop.Spec`` holding one stays cheap to hash and to print."""
+
+    ids: tuple[int, ...] = dataclasses.field(compare=False, repr=False)
+    digest: str = ""
+
+    @classmethod
+    def of(cls, ids: Sequence[int], vocab_size: int) -> "DraftVocab":
+        """Validated: a non-empty sequence of distinct token ids in ``[0, vocab_size)`` (ValueError otherwise)."""
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"draft vocabulary: expected a sequence of token ids: {e}") from None
+        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+            raise ValueError("draft vocabulary: expected a non-empty flat sequence of integer token ids")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise ValueError(f"draft vocabulary: token ids must lie in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
+        unique = np.unique(arr)
+        if unique.size != arr.size:
+            raise ValueError(f"draft vocabulary: {arr.size - unique.size} repeated token ids")
+        ids = tuple(int(i) for i in unique)
+        return cls(ids, hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16])
+
+    def __repr__(self) -> str:
+        return f"DraftVocab({len(self.ids)} tokens, {self.digest})"
+
+
+def with_own_head(params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg,
+                  vocab: DraftVocab | None = None) -> DrafterParams:
     """``params`` with their own copy of the target's output head, ``[H, V + OWN_HEAD_PAD]`` fp32 (zero columns
-    past ``V``), read back through ``target.lm_head`` (a linear map, so ``lm_head(I)`` is its matrix).
+    past ``V``), read back through ``target.lm_head`` (a linear map, so ``lm_head(I)`` is its matrix); with a
+    draft ``vocab``, only its columns ``[H, V']`` and ``vocab_columns`` (``head_logits`` puts them back in place).
 
     For programs that bake the weights in (``cpu_options``): XLA:CPU packs a constant weight for a dot once, at
     compile time, only when no other dot shares it, and merges identical constants; the draft and the verify both
     use the target's head, so neither was packed (SmolLM2's head at 4 + 5 rows: 17 ms shared, 9 ms with this copy).
     """
     eye = jnp.eye(cfg.model.hidden_size, dtype=jnp.float32)  # the draft rows are as wide as the target's
-    head = target.lm_head(target_params, target_cfg, eye)  # [H, V]
-    return dataclasses.replace(params, lm_head=jnp.pad(head.astype(jnp.float32), ((0, 0), (0, OWN_HEAD_PAD))))
+    head = target.lm_head(target_params, target_cfg, eye).astype(jnp.float32)  # [H, V]
+    if vocab is None:
+        return dataclasses.replace(params, lm_head=jnp.pad(head, ((0, 0), (0, OWN_HEAD_PAD))))
+    ids = np.asarray(vocab.ids, np.int32)
+    columns = np.full(head.shape[1], ids.size, np.int32)
+    columns[ids] = np.arange(ids.size, dtype=np.int32)
+    return dataclasses.replace(params, lm_head=head[:, ids], vocab_columns=jnp.asarray(columns))
 
 
 def head_logits(
     params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg, ph: jax.Array  # [..., H]
 ) -> jax.Array:  # [..., V] fp32
-    """The target's output head on the draft rows: the drafter's own copy when it holds one, else the target's."""
+    """The target's output head on the draft rows: the drafter's own copy when it holds one, else the target's;
+    with a draft vocabulary, -inf for every token outside it (a gather: XLA:CPU's scatter is far slower)."""
     if params.lm_head is None:
         return target.lm_head(target_params, target_cfg, ph)
     logits = jnp.einsum("...h,hv->...v", ph, params.lm_head, preferred_element_type=jnp.float32)
-    return logits[..., : cfg.model.vocab_size]
+    if params.vocab_columns is None:
+        return logits[..., : cfg.model.vocab_size]
+    outside = jnp.full(logits.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    return jnp.take(jnp.concatenate([logits, outside], axis=-1), params.vocab_columns, axis=-1)
 
 
 def scale_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:  # [..., V] fp32 -> [..., V] fp32

@@ -70,5 +70,7 @@ class DrafterModel(Protocol):
         """The rest of ``builders.build_tree``'s inputs: ``head``, ``embed``, ``pure_draft_prefix_len``,
         ``mask_token_id``."""
 
-    def with_own_head(self, params: Any, cfg: Any, target: TargetModel, target_params: Any, target_cfg: Any) -> Any:
-        """``params`` with their own copy of the target's output head (for programs that bake the weights in)."""
+    def with_own_head(self, params: Any, cfg: Any, target: TargetModel, target_params: Any, target_cfg: Any,
+                      vocab: Any = None) -> Any:
+        """``params`` with their own copy of the target's output head (for programs that bake the weights in);
+        with a draft ``vocab`` (``drafter.DraftVocab``), only its columns, every other token's draft logit -inf."""
