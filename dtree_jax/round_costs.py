@@ -4,8 +4,8 @@ A drafter's ``calibration.json`` carries tau per budget: a property of the draft
 round costs belongs to the machine, its jax and the program (weights baked in or not, ``cpu_options``), so
 ``budget="auto"`` measures it here: plain ``ar`` (budget 0) and a round of the method at each candidate budget,
 at the request's batch, compiled as the generation compiles them, each tree round timed in pairs with an ar
-step (``measure``).  The result is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine, jax version, program and batch,
-so later runs decide at once.  The context length is not part of the key: at these lengths a round's cost is
+step (``measure``).  The result is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine,
+jax version, program and batch, so later runs decide at once.  The context length is not part of the key: at these lengths a round's cost is
 the weights' read, and the first request's shapes are the ones measured (recorded in the file).
 """
 

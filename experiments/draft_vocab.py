@@ -70,11 +70,9 @@ def main(argv=None) -> int:
     order = ranked(counts)
     drafter = load_model(drafter_dir)
     rows = []
-    if not sizes:
-        budgets = []
     print("| budget | draft vocabulary | held-out tau | chat | continuations | in vocabulary (held-out) |\n"
           "|---|---|---|---|---|---|", flush=True)
-    for budget in budgets:
+    for budget in budgets if sizes else []:  # no sizes: only --write
         for size in [None, *sizes]:
             ids = None if size is None else sorted(order[:size].tolist())
             row = dict(budget=budget, size=size or vocab,
