@@ -503,12 +503,22 @@ def candidate_logits(dparams, dcfg, target, tparams, tcfg, ph, path, cand, share
 
 
 def distill_loss(
-    dparams, dcfg, target, tparams, tcfg, b: dict, lam, decay_gamma: float | None = None
+    dparams,
+    dcfg,
+    target,
+    tparams,
+    tcfg,
+    b: dict,
+    lam,
+    decay_gamma: float | None = None,
+    vocab: jax.Array | None = None,  # [V'] int32 ascending: a draft vocabulary (``drafter.DraftVocab.ids``)
 ) -> tuple[jax.Array, dict]:
     """``(1 - lam) * KD(final) + lam * KD(base)`` over the valid block rows of batch ``b`` (``batch_at``);
     KD = cross-entropy from the target's renormalised top-K distribution to the drafter's softmax: over the
     whole vocabulary when ``b["negatives"]`` is empty, else over the K candidates plus those shared negatives,
-    log-Q corrected.  ``decay_gamma`` weights row d (the d + 1-th token after the anchor) by
+    log-Q corrected.  With a draft ``vocab`` (and no negatives) the softmax runs over those tokens alone, the
+    ones the drafter proposes from, and the target's top-K keeps its candidates inside them, renormalised (a
+    row with none inside drops out).  ``decay_gamma`` weights row d (the d + 1-th token after the anchor) by
     ``exp(-d / decay_gamma)`` in that mean (SpecForge's ``loss_decay_gamma``: early rows decide acceptance);
     None: every row alike.  Aux: the two KD terms and ``top1``, how often the final logits rank the target's
     argmax first among its top-K (a proxy for greedy acceptance; unweighted)."""
@@ -522,7 +532,22 @@ def distill_loss(
     label_pos = anchors.reshape(-1)[:, None] + 1 + k_rows
     valid = label_pos < b["lens"][rows][:, None]  # [N, K] the label lies inside the sequence
     kt, neg = top_ids.shape[-1], b["negatives"]
-    if neg.shape[0] == 0:  # the full heads
+    inside = jnp.ones(top_ids.shape, bool)  # [N, K, Kt] candidates the drafter can propose
+    if vocab is not None:
+        if neg.shape[0]:
+            raise ValueError("a draft vocabulary and sampled negatives do not combine; pass one of them")
+        cols = jnp.minimum(jnp.searchsorted(vocab, top_ids), vocab.shape[0] - 1)  # [N, K, Kt] columns in vocab
+        inside = vocab[cols] == top_ids
+        p = jnp.where(inside, p, 0.0)
+        mass = jnp.sum(p, -1)
+        p = p / jnp.maximum(mass, 1e-30)[..., None]
+        valid = valid & (mass > 0)
+        no_candidates = jnp.zeros(top_ids.shape[:-1] + (0,), jnp.int32)
+        base, final = candidate_logits(dparams, dcfg, target, tparams, tcfg, ph, path, no_candidates, vocab)
+
+        def at_candidates(logits):
+            return jnp.take_along_axis(logits, cols, -1), jax.nn.logsumexp(logits, -1)
+    elif neg.shape[0] == 0:  # the full heads
         base = drafter.scale_logits(dcfg, target.lm_head(tparams, tcfg, ph))
         final = base if dparams.head is None else drafter.path_logits(dparams, dcfg, target, tparams, tcfg, ph, path)
 
@@ -546,7 +571,8 @@ def distill_loss(
         return jnp.sum(jnp.where(valid, weight * ce, 0.0)) / jnp.maximum(jnp.sum(weight), 1e-9)
 
     kd_final, kd_base = kd(cand_final, lse_final), kd(cand_base, lse_base)
-    agree = jnp.sum(jnp.where(valid, jnp.argmax(cand_final, -1) == 0, False)) / denom
+    ranked_first = (jnp.argmax(jnp.where(inside, cand_final, -jnp.inf), -1) == 0) & inside[..., 0]
+    agree = jnp.sum(jnp.where(valid, ranked_first, False)) / denom
     return (1.0 - lam) * kd_final + lam * kd_base, dict(kd_final=kd_final, kd_base=kd_base, top1=agree)
 
 

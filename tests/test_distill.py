@@ -292,14 +292,33 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     # rate one step leaves its weights as they were.
     warm = [*args[:4], "--ckpt", str(tmp_path / "ckpt-warm"), "--out", str(tmp_path / "warm"), *args[8:]]
     warm[warm.index("--gru") + 1] = "16"
+    warm[warm.index("--negatives") + 1] = "0"
     warm += ["--init", str(tmp_path / "drafter"), "--backbone-steps", "0", "--head-steps", "1", "--lr", "1e-12"]
-    ts.main(["train", *warm])
+    # ... trained over a draft vocabulary, which reaches the objective and is exported beside the drafter
+    vocab_file = tmp_path / "vocab.json"
+    vocab_file.write_text(json.dumps(dict(token_ids=list(range(0, 128, 3)), size=43)))
+    with pytest.raises(SystemExit):
+        ts.main(["train", *warm, "--draft-vocab", str(vocab_file), "--negatives", "4"])
+    (tmp_path / "bad.json").write_text(json.dumps(dict(token_ids=[1, 1, 2])))
+    with pytest.raises(ValueError, match="bad.json: not a draft vocabulary.*repeated"):
+        ts.main(["train", *warm, "--draft-vocab", str(tmp_path / "bad.json")])
+    vocabs = []
+    monkeypatch.setattr(distill, "distill_loss", lambda *a: vocabs.append(a[8]) or real_loss(*a))
+    ts.main(["train", *warm, "--draft-vocab", str(vocab_file)])
+    assert vocabs and all(np.array_equal(v, np.arange(0, 128, 3)) for v in vocabs)
+    assert (tmp_path / "warm" / "draft_vocab.json").read_text() == vocab_file.read_text()
     again = safetensors.numpy.load_file(str(tmp_path / "warm" / "model.safetensors"))
     assert again.keys() == tensors.keys()
     for k in tensors:
         np.testing.assert_array_equal(again[k], tensors[k], err_msg=k)
     log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
     assert log["recipe"]["init"]["path"] == str((tmp_path / "drafter").resolve())
+    assert log["recipe"]["draft_vocab"]["size"] == 43
+    vocab_file.write_text(json.dumps(dict(token_ids=list(range(0, 128, 2)))))
+    exported = {f.name: f.read_bytes() for f in (tmp_path / "warm").iterdir()}
+    with pytest.raises(ValueError, match="changed since training"):  # the export stage checks the file it copies
+        ts.main(["export", *warm])
+    assert {f.name: f.read_bytes() for f in (tmp_path / "warm").iterdir()} == exported  # before writing anything
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     (tmp_path / "drafter" / "config.json").write_text(
         json.dumps(dict(config, dflash_config=dict(config["dflash_config"], target_layer_ids=[0])))
@@ -343,6 +362,60 @@ def test_full_vocabulary_objective_is_the_block_objective_on_greedy_data(data_di
     np.testing.assert_allclose(kd(b), want(b["tokens"]), rtol=1e-2)
     sampled = kd(dict(b, negatives=np.arange(6, 40, dtype=np.int32)))
     assert abs(float(sampled) - float(want(b["tokens"]))) > 1e-3  # the sampled denominator is an estimate
+
+
+def test_draft_vocabulary_objective_is_the_softmax_over_those_tokens(data_dir):
+    """With a draft vocabulary the KD is the cross-entropy from the target's top-K kept inside it (renormalised)
+    to the drafter's softmax over it alone, computed here from the full heads; every token as the vocabulary is
+    the full-vocabulary objective; a vocabulary without the target's top-1 tokens ranks none of them first."""
+    _, target = _target()
+    data = distill.load_shards(data_dir)
+    dcfg, dparams = _drafter(seed=6)
+    keep = np.flatnonzero(data.lens - data.prompt_lens > dcfg.num_draft_rows + 1)[:4]
+    anchors = data.prompt_lens[keep][:, None].astype(np.int32)
+    b = dict(tokens=data.tokens[keep], lens=data.lens[keep], feats=data.feats[keep], top_ids=data.top_ids[keep],
+             top_logp=data.top_logp[keep], anchors=anchors, negatives=np.zeros((0,), np.int32))
+    lam = 0.4
+    loss = jax.jit(lambda b, vocab: distill.distill_loss(
+        dparams, dcfg, decoder, target.params, target.cfg, b, lam, None, vocab))
+    full, full_aux = loss(b, None)
+    every, every_aux = loss(b, jnp.arange(128, dtype=jnp.int32))
+    np.testing.assert_allclose(every, full, rtol=1e-5)
+    np.testing.assert_allclose(every_aux["top1"], full_aux["top1"])
+
+    vocab = np.sort(np.random.default_rng(0).choice(128, 48, replace=False)).astype(np.int32)
+    got, aux = loss(b, jnp.asarray(vocab))
+    # the reference: the full heads' logits, the softmax over the vocabulary's columns, p kept inside it
+    k = dcfg.num_draft_rows
+    ph = train.draft_hidden(dparams, dcfg, decoder, target.params, b["feats"], b["tokens"], anchors)
+    path = train.block_gather(b["tokens"], anchors, jnp.arange(k))
+    top_ids = np.asarray(train.block_gather(b["top_ids"], anchors, jnp.arange(k)))
+    p = np.asarray(jax.nn.softmax(train.block_gather(b["top_logp"], anchors, jnp.arange(k)).astype(jnp.float32)))
+    label_pos = anchors.reshape(-1)[:, None] + 1 + np.arange(k)
+    valid = label_pos < b["lens"][:, None]
+    inside = np.isin(top_ids, vocab)
+    p = np.where(inside, p, 0.0)
+    mass = p.sum(-1)
+    valid &= mass > 0
+    p = p / np.maximum(mass, 1e-30)[..., None]
+
+    def kd(logits):
+        logp = np.asarray(jax.nn.log_softmax(logits[..., vocab], -1))
+        col = np.searchsorted(vocab, top_ids).clip(0, len(vocab) - 1)
+        ce = -np.sum(np.where(inside, p * np.take_along_axis(logp, col, -1), 0.0), -1)
+        return ce[valid].mean()
+
+    base = np.asarray(decoder.lm_head(target.params, target.cfg, ph))
+    final = np.asarray(drafter.path_logits(dparams, dcfg, decoder, target.params, target.cfg, ph, path))
+    assert valid.sum() >= 2 and not inside.all()
+    np.testing.assert_allclose(got, (1 - lam) * kd(final) + lam * kd(base), rtol=1e-4)
+    assert abs(float(got) - float(full)) > 1e-3  # the control: another softmax, another loss
+
+    without_top1 = np.setdiff1d(np.arange(128), top_ids[..., 0]).astype(np.int32)
+    _, aux = loss(b, jnp.asarray(without_top1))
+    assert float(aux["top1"]) == 0.0 and float(full_aux["top1"]) > 0.0
+    with pytest.raises(ValueError, match="do not combine"):
+        loss(dict(b, negatives=np.arange(6, 10, dtype=np.int32)), jnp.asarray(vocab))
 
 
 def test_loss_decay_weights_the_early_rows(data_dir):
