@@ -45,6 +45,7 @@ import optax
 from dtree_jax import train
 from dtree_jax.models import drafter
 from dtree_jax.models.domino_head import correction_hidden, gru_run
+from dtree_jax.tree import _is_concrete
 
 # ----------------------------------------------------------------------------------------------------------
 # Prompts from the standard library
@@ -536,6 +537,8 @@ def distill_loss(
     if vocab is not None:
         if neg.shape[0]:
             raise ValueError("a draft vocabulary and sampled negatives do not combine; pass one of them")
+        if vocab.shape[0] == 0 or (_is_concrete(vocab) and not _ascending_ids(np.asarray(vocab), tcfg.vocab_size)):
+            raise ValueError(f"vocab must be ascending distinct token ids in [0, {tcfg.vocab_size}), at least one")
         cols = jnp.minimum(jnp.searchsorted(vocab, top_ids), vocab.shape[0] - 1)  # [N, K, Kt] columns in vocab
         inside = vocab[cols] == top_ids
         p = jnp.where(inside, p, 0.0)
@@ -574,6 +577,10 @@ def distill_loss(
     ranked_first = (jnp.argmax(jnp.where(inside, cand_final, -jnp.inf), -1) == 0) & inside[..., 0]
     agree = jnp.sum(jnp.where(valid, ranked_first, False)) / denom
     return (1.0 - lam) * kd_final + lam * kd_base, dict(kd_final=kd_final, kd_base=kd_base, top1=agree)
+
+
+def _ascending_ids(ids: np.ndarray, vocab_size: int) -> bool:
+    return bool(ids.ndim == 1 and np.all(np.diff(ids) > 0) and ids[0] >= 0 and ids[-1] < vocab_size)
 
 
 def row_weights(rows: int, decay_gamma: float | None) -> jax.Array:

@@ -314,11 +314,25 @@ def test_cli_trains_resumes_exports_and_the_drafter_is_lossless(data_dir, tmp_pa
     log = json.loads((tmp_path / "results" / "train_smollm2_drafter.json").read_text())
     assert log["recipe"]["init"]["path"] == str((tmp_path / "drafter").resolve())
     assert log["recipe"]["draft_vocab"]["size"] == 43
-    vocab_file.write_text(json.dumps(dict(token_ids=list(range(0, 128, 2)))))
+    assert set(log["recipe"]["draft_vocab"]) == {"size", "digest"}  # no path: a moved file resumes and exports
+    moved = tmp_path / "moved.json"
+    moved.write_text(vocab_file.read_text())
+    ts.main(["export", *warm, "--draft-vocab", str(moved)])
+    assert (tmp_path / "warm" / "draft_vocab.json").read_text() == vocab_file.read_text()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(token_ids=list(range(0, 128, 2)))))
     exported = {f.name: f.read_bytes() for f in (tmp_path / "warm").iterdir()}
-    with pytest.raises(ValueError, match="changed since training"):  # the export stage checks the file it copies
-        ts.main(["export", *warm])
+    for flags, msg in (([], "pass that --draft-vocab"), (["--draft-vocab", str(other)], "not the vocabulary trained")):
+        with pytest.raises(ValueError, match=msg):  # the export stage checks the file it copies
+            ts.main(["export", *warm, *flags])
     assert {f.name: f.read_bytes() for f in (tmp_path / "warm").iterdir()} == exported  # before writing anything
+    with pytest.raises(ValueError, match="other settings"):  # a resume must keep the vocabulary
+        ts.main(["train", *warm, "--resume", "--draft-vocab", str(other)])
+    with pytest.raises(ValueError, match="full vocabulary; --draft-vocab does not apply"):
+        ts.main(["export", *args, "--negatives", "0", "--draft-vocab", str(moved)])
+    (tmp_path / "drafter" / "draft_vocab.json").write_text(moved.read_text())
+    ts.main(["export", *args])  # a drafter trained over the full vocabulary: a stale file goes
+    assert not (tmp_path / "drafter" / "draft_vocab.json").exists()
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     (tmp_path / "drafter" / "config.json").write_text(
         json.dumps(dict(config, dflash_config=dict(config["dflash_config"], target_layer_ids=[0])))
@@ -383,7 +397,9 @@ def test_draft_vocabulary_objective_is_the_softmax_over_those_tokens(data_dir):
     np.testing.assert_allclose(every, full, rtol=1e-5)
     np.testing.assert_allclose(every_aux["top1"], full_aux["top1"])
 
-    vocab = np.sort(np.random.default_rng(0).choice(128, 48, replace=False)).astype(np.int32)
+    # a random vocabulary, without one valid row's candidates (that row drops out)
+    dropped = np.asarray(b["top_ids"])[0, anchors[0, 0] + 1]
+    vocab = np.setdiff1d(np.random.default_rng(0).choice(128, 48, replace=False), dropped).astype(np.int32)
     got, aux = loss(b, jnp.asarray(vocab))
     # the reference: the full heads' logits, the softmax over the vocabulary's columns, p kept inside it
     k = dcfg.num_draft_rows
@@ -407,8 +423,11 @@ def test_draft_vocabulary_objective_is_the_softmax_over_those_tokens(data_dir):
 
     base = np.asarray(decoder.lm_head(target.params, target.cfg, ph))
     final = np.asarray(drafter.path_logits(dparams, dcfg, decoder, target.params, target.cfg, ph, path))
-    assert valid.sum() >= 2 and not inside.all()
+    assert valid.sum() >= 2 and not inside.all() and not inside[0, 0].any()
     np.testing.assert_allclose(got, (1 - lam) * kd(final) + lam * kd(base), rtol=1e-4)
+    first = np.take_along_axis(final[..., vocab], np.searchsorted(vocab, top_ids).clip(0, len(vocab) - 1), -1)
+    ranked_first = (np.where(inside, first, -np.inf).argmax(-1) == 0) & inside[..., 0]
+    np.testing.assert_allclose(aux["top1"], ranked_first[valid].mean(), rtol=1e-6)
     assert abs(float(got) - float(full)) > 1e-3  # the control: another softmax, another loss
 
     without_top1 = np.setdiff1d(np.arange(128), top_ids[..., 0]).astype(np.int32)
@@ -416,6 +435,10 @@ def test_draft_vocabulary_objective_is_the_softmax_over_those_tokens(data_dir):
     assert float(aux["top1"]) == 0.0 and float(full_aux["top1"]) > 0.0
     with pytest.raises(ValueError, match="do not combine"):
         loss(dict(b, negatives=np.arange(6, 10, dtype=np.int32)), jnp.asarray(vocab))
+    for bad in ([], [3, 2], [4, 4], [-1, 5], [5, 128]):
+        with pytest.raises(ValueError, match="ascending distinct token ids"):
+            distill.distill_loss(dparams, dcfg, decoder, target.params, target.cfg, b, lam, None,
+                                 jnp.asarray(bad, jnp.int32))
 
 
 def test_loss_decay_weights_the_early_rows(data_dir):
