@@ -102,12 +102,33 @@ def test_a_generation_over_the_chips_memory_is_refused_in_one_line(platform):
 # Kernels
 
 
+def _each_value_once(configs):
+    """Per kernel, head size and dtype: every budget once, the (context, batch) pairs taken in turn, so every
+    value of the matrix is compiled and the largest budget meets the largest context and batch."""
+    m = aot.KERNEL_MATRIX
+    pairs = [(c, b) for c in m["contexts"] for b in m["batches"]]
+    keep = []
+    for c in configs:
+        i = m["budgets"].index(c.nodes - 1)
+        want = (0, m["batches"][i % len(m["batches"])]) if c.kernel == "tree_gdn" else pairs[i % len(pairs)]
+        if (c.context, c.batch) == want:
+            keep.append(c)
+    return keep
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_every_claimed_kernel_configuration_compiles(platform):
+@pytest.mark.parametrize("whole", [pytest.param(False, id="each-value"),
+                                   pytest.param(True, id="whole-matrix", marks=pytest.mark.slow)])
+def test_every_claimed_kernel_configuration_compiles(platform, whole):
     """The README's kernel matrix (experiments/compile_kernels.py: head sizes, dtypes, contexts 4K / 32K, budgets
-    4-128, batch 1 and 8) for one TPU generation and sm_90, each configuration compiled on its own."""
+    4-128, batch 1 and 8) for one TPU generation and sm_90, each configuration compiled on its own: every value
+    of every axis by default (a quarter of the matrix), the whole matrix with ``-m slow``."""
     configs = aot.kernel_configs(platform)
     assert len(configs) == (112 if platform == "tpu" else 96)
+    if not whole:
+        configs = _each_value_once(configs)
+        assert len(configs) == (32 if platform == "tpu" else 24)
+        assert (129, 32768, 8) in {(c.nodes, c.context, c.batch) for c in configs}
     groups = {}  # one program per kernel, head size and dtype
     for c in configs:
         groups.setdefault((c.kernel, c.head_dim, c.dtype), []).append(c)

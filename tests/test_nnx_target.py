@@ -103,14 +103,15 @@ class TinyLlama(nnx.Module):
         return self.lm_head(x), feats, out
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        """Its own AR decoding: the whole sequence recomputed causally for every new token."""
+        """Its own AR decoding: the whole sequence recomputed causally for every new token (padded to one length,
+        so one program serves every step: under the causal mask the padding never reaches the rows read)."""
+        length = len(prompt) + n
+        step = nnx.jit(lambda model, tokens: model(tokens, jnp.arange(length)[None], model.init_cache(1, length),
+                                                   jnp.zeros(1, jnp.int32), jnp.tri(length, dtype=bool)[None])[0])
         seq = list(prompt)
         for _ in range(n):
-            t = len(seq)
-            tokens = jnp.asarray([seq])
-            logits, _, _ = self(tokens, jnp.arange(t)[None], self.init_cache(1, t), jnp.zeros(1, jnp.int32),
-                                jnp.tri(t, dtype=bool)[None])
-            seq.append(int(jnp.argmax(logits[0, -1])))
+            logits = step(self, jnp.asarray([seq + [0] * (length - len(seq))]))
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
         return seq[len(prompt):]
 
 
@@ -128,21 +129,27 @@ def pair():
     return module, target, draft
 
 
+@pytest.fixture(scope="module")
+def own_greedy(pair):
+    """The module's own 16 greedy tokens per prompt (a prefix of them is its greedy output for fewer)."""
+    return [pair[0].greedy(p, 16) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_equals_the_models_own_greedy_decoding(pair, method):
+def test_every_method_equals_the_models_own_greedy_decoding(pair, own_greedy, method):
     module, target, draft = pair
     got = generate(target, PROMPTS, method, draft if method != "ar" else None, budget=8, max_new_tokens=12,
                    stop_ids=())
-    assert got.tokens == [module.greedy(p, 12) for p in PROMPTS]
+    assert got.tokens == [w[:12] for w in own_greedy]
 
 
-def test_long_accepted_paths_commit_through_the_adapter(pair, monkeypatch):
+def test_long_accepted_paths_commit_through_the_adapter(pair, own_greedy, monkeypatch):
     """With a drafter that mostly knows the continuation, multi-node paths are accepted and compacted."""
     from dtree_jax import loop, running
     from tests.oracles import oracle_draft
 
     module, target, draft = pair
-    want = [module.greedy(p, 16) for p in PROMPTS]
+    want = own_greedy
     monkeypatch.setattr(loop, "draft", oracle_draft(np.array([w + [0] * 40 for w in want], np.int32), loop.draft))
     monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     jax.clear_caches()
@@ -151,7 +158,7 @@ def test_long_accepted_paths_commit_through_the_adapter(pair, monkeypatch):
     assert got.tokens == want and min(s["tau"] for s in got.stats) > 2
 
 
-def test_the_check_can_fail(pair):
+def test_the_check_can_fail(pair, own_greedy):
     """Control: a model whose cache is read one row off decodes differently from its own greedy output."""
     module, target, draft = pair
 
@@ -162,7 +169,7 @@ def test_the_check_can_fail(pair):
 
     broken = Model("broken", None, target.params, impl=OffByOne(target.impl.graphdef, target.impl.abstract_params))
     got = generate(broken, PROMPTS, "dominotree", draft, budget=8, max_new_tokens=12, stop_ids=())
-    assert got.tokens != [module.greedy(p, 12) for p in PROMPTS]
+    assert got.tokens != [w[:12] for w in own_greedy]
 
 
 def test_a_module_without_the_contract_is_refused():

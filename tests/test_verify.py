@@ -255,7 +255,7 @@ def test_compaction_moves_exactly_the_accepted_entries(case, len0, len1):
     n = len(parents)
     b_parents = np.stack([parents, parents])
     b_target = np.stack([target, np.roll(target, 1)])
-    res = accept_greedy(b_parents, np.stack([tokens, tokens]), b_target)
+    res = jax.jit(accept_greedy)(b_parents, np.stack([tokens, tokens]), b_target)
     lens = np.array([len0, len1], np.int32)
     length = 6 + n
     rng = np.random.default_rng(0)
