@@ -55,10 +55,13 @@ class _Raised(TemplateError):
 
 @dataclasses.dataclass
 class _Budget:
-    """One compile-and-render's deadline (``time.monotonic``) and the characters its operations created."""
+    """One compile-and-render's deadline (``time.monotonic``), the characters its operations created, and the
+    sizes of the containers charged so far (by id, each held so that its id is not reused; the sandbox is
+    immutable, so a container keeps its size while the render runs)."""
 
     deadline: float
     created: int = 0
+    sizes: dict = dataclasses.field(default_factory=dict)  # id -> (container, size)
 
 
 _BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("dtree_jax_template_budget")
@@ -95,15 +98,23 @@ def _charge(count: int, what: str) -> None:
     _BUDGET.get().created += count
 
 
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+
+
 def _size(value: Any, limit: int = TEMPLATE_CREATED) -> int:
     """The characters ``value`` takes as text, near enough: a string its length, a list, tuple, set or dict
     ``ITEM`` per item plus its items' (nested, a shared one each time it appears), anything else ``ITEM``;
-    counted to just past ``limit`` (so in at most ``limit / ITEM`` steps)."""
+    counted to just past ``limit`` (so in at most ``limit / ITEM`` steps), a container already charged in this
+    render in one step."""
+    budget = _BUDGET.get(None)
+    known = budget.sizes if budget is not None else {}
     total, pending = 0, [value]
     while pending and total <= limit:
         item = pending.pop()
         if isinstance(item, (str, bytes)):
             total += len(item)
+        elif id(item) in known:
+            total += known[id(item)][1]
         elif isinstance(item, dict):
             total += ITEM * len(item)
             pending += item.keys()
@@ -117,8 +128,11 @@ def _size(value: Any, limit: int = TEMPLATE_CREATED) -> int:
 
 
 def _charged(value: Any, what: str) -> Any:
-    """``value``, its size charged."""
-    _charge(_size(value), what)
+    """``value``, its size charged (and, for a container, remembered for the rest of the render)."""
+    size = _size(value)
+    _charge(size, what)
+    if isinstance(value, _CONTAINERS):
+        _BUDGET.get().sizes[id(value)] = (value, size)
     return value
 
 
