@@ -137,7 +137,7 @@ def own_greedy(pair):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_equals_the_models_own_greedy_decoding(pair, own_greedy, method):
-    module, target, draft = pair
+    _, target, draft = pair
     got = generate(target, PROMPTS, method, draft if method != "ar" else None, budget=8, max_new_tokens=12,
                    stop_ids=())
     assert got.tokens == [w[:12] for w in own_greedy]
@@ -148,7 +148,7 @@ def test_long_accepted_paths_commit_through_the_adapter(pair, own_greedy, monkey
     from dtree_jax import loop, running
     from tests.oracles import oracle_draft
 
-    module, target, draft = pair
+    _, target, draft = pair
     want = own_greedy
     monkeypatch.setattr(loop, "draft", oracle_draft(np.array([w + [0] * 40 for w in want], np.int32), loop.draft))
     monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
@@ -160,7 +160,7 @@ def test_long_accepted_paths_commit_through_the_adapter(pair, own_greedy, monkey
 
 def test_the_check_can_fail(pair, own_greedy):
     """Control: a model whose cache is read one row off decodes differently from its own greedy output."""
-    module, target, draft = pair
+    _, target, draft = pair
 
     class OffByOne(nnx_target.NNXTarget):
         def forward(self, params, cfg, tokens, positions, cache, lens, local_mask, taps=()):
