@@ -58,6 +58,7 @@ def main(argv=None) -> int:
                   f"{row['speedup_vs_ar']:.2f}x ar (spread {row['speedup_spread'][0]:.2f}-{row['speedup_spread'][1]:.2f}; "
                   f"ar median {ar[len(ar) // 2]:.1f} tok/s), same output as ar: "
                   f"{'yes' if row['same_output_as_ar'] else 'NO'}, {wall:.0f} s wall | {row['auto']}", flush=True)
+    os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]  # the machine record names the runs' backend, unprobed
     from experiments.run_experiments import machine
 
     payload = dict(machine=machine(), budget=args.budget, timing_pairs=args.timing_pairs, fresh_cache=cache is not None,

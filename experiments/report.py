@@ -41,7 +41,10 @@ def plot_training() -> None:
     last = _load("train_smollm2_drafter.json")
     earlier = []
     if last["recipe"].get("init"):
-        earlier = [d for d in (_load(f"train_smollm2_drafter_stage{n}.json") for n in range(1, 10)) if d]
+        files = RESULTS.glob("train_smollm2_drafter_stage*.json")
+        numbers = (f.stem.removeprefix("train_smollm2_drafter_stage") for f in files)
+        stages = sorted(int(n) for n in numbers if n.isdigit())
+        earlier = [_load(f"train_smollm2_drafter_stage{n}.json") for n in stages]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     offset = 0
     for i, d in enumerate([*earlier, last]):
