@@ -41,10 +41,9 @@ def plot_training() -> None:
     last = _load("train_smollm2_drafter.json")
     earlier = []
     if last["recipe"].get("init"):
-        files = RESULTS.glob("train_smollm2_drafter_stage*.json")
-        numbers = (f.stem.removeprefix("train_smollm2_drafter_stage") for f in files)
-        stages = sorted(int(n) for n in numbers if n.isdigit())
-        earlier = [_load(f"train_smollm2_drafter_stage{n}.json") for n in stages]
+        stages = {int(n): f for f in RESULTS.glob("train_smollm2_drafter_stage*.json")
+                  if (n := f.stem.removeprefix("train_smollm2_drafter_stage")).isdigit()}
+        earlier = [json.loads(stages[n].read_text()) for n in sorted(stages)]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     offset = 0
     for i, d in enumerate([*earlier, last]):
