@@ -56,7 +56,7 @@ def plot_training() -> None:
         b.plot(steps, d["top1"], lw=1, color="C0")
         if i:
             for ax in (a, b):
-                ax.axvline(offset, color="k", ls="--", lw=1, label="warm start, new data" if ax is a and i == 1 else None)
+                ax.axvline(offset, color="k", ls="--", lw=1, label="warm start" if ax is a and i == 1 else None)
         offset += d["step"]
     a.set_yscale("log")
     a.set_xlabel("step")
