@@ -9,15 +9,26 @@ compile time and 5 or 9 rows cost what one row does (the verify of 5 nodes 1.0x 
 about twice as long, and it is never written to JAX's persistent compilation cache (an entry would hold the
 weights).  So weights are baked only on the CPU backend, without a mesh, up to ``BAKE_LIMIT_BYTES``; options
 go to ``Lowered.compile`` per program, never to ``XLA_FLAGS``, so programs for accelerators never see them.
+
+Where the weights are baked in and ``cpu_dot`` builds on this machine, the dense weights (``DENSE_FIELDS``) are
+baked as ``cpu_dot.PackedWeight`` panels and their dots run the few-row kernel instead of YNNPACK: on our Intel
+hosts 5 / 9 rows cost 1.4x / 1.9x one row with YNNPACK and less with the kernel (``experiments/bench_round.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+
+from dtree_jax import cpu_dot
+from dtree_jax.models.decoder import DecoderParams
+from dtree_jax.models.drafter import DrafterParams
+from dtree_jax.models.layers import DenseMLP, LayerParams
 
 OPTION_SETS: dict[str, dict[str, str]] = {
     "default": {},
@@ -28,6 +39,13 @@ OPTION_SETS: dict[str, dict[str, str]] = {
 }
 BAKED_OPTIONS = OPTION_SETS["ynn"]
 BAKE_LIMIT_BYTES = 2 << 30  # weights above this stay arguments (each baked program holds a copy)
+# The params fields the models use only as ``x @ w`` (or ``cpu_dot.matmul_fp32``): packed for the kernel.
+DENSE_FIELDS = {
+    LayerParams: ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
+    DenseMLP: ("w_gate", "w_up", "w_down"),
+    DecoderParams: ("lm_head",),
+    DrafterParams: ("fc", "lm_head"),
+}
 
 
 def params_bytes(*trees) -> int:
@@ -65,13 +83,37 @@ def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = No
 
 
 
+def pack_dense(tree):
+    """``tree`` (params: dataclasses, tuples, lists) with every fp32 2-D weight in ``DENSE_FIELDS`` as a
+    ``cpu_dot.PackedWeight``, and a tied output head as a packed copy of the embedding table's transpose (the
+    table itself stays for the lookups).  Other fields, and params of other classes, are left as they are."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(pack_dense(t) for t in tree)
+    if not dataclasses.is_dataclass(tree) or isinstance(tree, type):
+        return tree
+    dense = next((f for cls, f in DENSE_FIELDS.items() if isinstance(tree, cls)), ())
+    packable = lambda w: isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32  # noqa: E731
+    changes = {}
+    for field in dataclasses.fields(tree):
+        value = getattr(tree, field.name)
+        if field.name in dense and packable(value):
+            changes[field.name] = cpu_dot.pack(value)
+        elif isinstance(value, (tuple, list)) or dataclasses.is_dataclass(value):
+            changes[field.name] = pack_dense(value)
+    if isinstance(tree, DecoderParams) and tree.lm_head is None and packable(tree.embed):
+        changes["lm_head"] = cpu_dot.pack(tree.embed.T)
+    return dataclasses.replace(tree, **changes)
+
+
 def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None, bake: Callable | None = None) -> Callable:
     """``fn(static, *weights, *inputs)`` compiled for this backend as generations compile: the weights baked in
-    where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values), else every
-    array an argument.  Returns ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it
+    where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values; their dense
+    weights packed for ``cpu_dot`` where it is available), else every array an argument.  Returns ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it
     answers for its own, so callers key it by their identity)."""
     if bakes_weights(mesh, *weights):
         baked = weights if bake is None else bake(*weights)
+        if cpu_dot.available():
+            baked = pack_dense(baked)
         program = compile_baked(functools.partial(fn, static), baked, *inputs)
         return lambda *args: program(*args[len(weights):])
     return jax.jit(fn, static_argnums=0).lower(static, *weights, *inputs).compile()

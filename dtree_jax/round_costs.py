@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import jax
 
-from dtree_jax import cpu_options, loop
+from dtree_jax import cpu_dot, cpu_options, loop
 
 REPEATS = 5
 TIMING = "tree rounds interleaved with ar steps"  # how ``measure`` times; part of the cache key
@@ -52,7 +52,8 @@ def program_key(spec: loop.Spec, batch: int, baked: bool) -> dict:
     name = lambda impl: getattr(impl, "__name__", type(impl).__name__)  # noqa: E731
     fields = dataclasses.replace(spec, target=name(spec.target), drafter=name(spec.drafter), max_new_tokens=0,
                                  cache_len=0, stop_ids=(), budget=0, stream=False, mesh=None)
-    return dict(spec=repr(fields), batch=batch, baked=baked, mesh=repr(spec.mesh), timing=TIMING)
+    dots = cpu_dot.status() if baked else "xla"  # the few-row kernel (its build) or XLA's dots
+    return dict(spec=repr(fields), batch=batch, baked=baked, dots=dots, mesh=repr(spec.mesh), timing=TIMING)
 
 
 def cache_file(cache: Path, key: dict) -> Path:

@@ -11,9 +11,11 @@ rows, ...), so a slow stretch of this shared machine hits every piece alike; med
 spread are reported, as ratios to the ``ar`` step measured in the same repeats.  ``ar`` is budget 0 of the same
 loop: one ``decode_round`` verifying the root alone.  Each mode (``--modes``) compiles every piece with the weights
 baked in as constants or passed as arguments, with or without XLA:CPU's YNNPACK dot fusions
-(``dtree_jax.cpu_options``), so the modes are compared in one process.  ``--generations N`` then times whole
+(``dtree_jax.cpu_options``) and the few-row kernel (``+kernel``: ``dtree_jax.cpu_dot``), so the modes are compared
+in one process.  ``--generations N`` then times whole
 generations of the default request (``api.generate``, as the main job runs them) in N interleaved repeats of ar and
-dominotree at each budget, with the weights baked in and (``BAKE_LIMIT_BYTES = 0``) as arguments.
+dominotree at each budget, with the weights baked in (the kernel where it builds) and (``BAKE_LIMIT_BYTES = 0``) as
+arguments.
 
 Writes experiments/results/bench_round.json and prints a markdown table.
 """
@@ -34,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dtree_jax import api, cpu_options, loop, planning  # noqa: E402
+from dtree_jax import api, cpu_dot, cpu_options, loop, planning  # noqa: E402
 from dtree_jax.cli import DEFAULT_REQUEST, SHIPPED_DRAFTER, shipped  # noqa: E402
 from dtree_jax.cpu_options import OPTION_SETS  # noqa: E402
 from dtree_jax.gguf import smollm2_gguf  # noqa: E402
@@ -78,10 +80,13 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     "arguments": (False, OPTION_SETS["default"]),
     "arguments+ynn": (False, OPTION_SETS["ynn"]),
     "baked": (True, OPTION_SETS["default"]),
-    "baked+ynn": (True, OPTION_SETS["ynn"]),  # what dtree_jax compiles CPU generations with (cpu_options)
+    "baked+ynn": (True, OPTION_SETS["ynn"]),  # what dtree_jax compiled CPU generations with before cpu_dot
     "baked+xnn": (True, OPTION_SETS["xnn"]),
     "baked+onednn": (True, OPTION_SETS["onednn"]),
     "baked+ynn+vocab": (True, OPTION_SETS["ynn"]),  # + the drafter's draft vocabulary (its draft_vocab.json)
+    # + the dense weights packed for the few-row kernel (cpu_dot): what dtree_jax compiles CPU generations with
+    # where the kernel builds
+    "baked+kernel+vocab": (True, OPTION_SETS["ynn"]),
 }
 
 
@@ -101,6 +106,8 @@ def compile_piece(fn, args: tuple, weights: tuple, mode: str, baked_as: tuple):
         return fn(static, *(baked_in.pop(0) if i in where else next(given) for i in range(len(rest))))
 
     values = tuple(next(b for w, b in zip(weights, baked_as) if rest[i] is w) for i in where)
+    if "+kernel" in mode:
+        values = cpu_options.pack_dense(values)
     return cpu_options.compile_baked(call, values, *others, options=options), others
 
 
@@ -140,7 +147,7 @@ def whole_generations(target, drafter, budgets, repeats: int) -> list[dict]:
     every configuration; median seconds, tokens/s and the speedup over ar of the same mode."""
     configs = [("ar", None)] + [("dominotree", b) for b in budgets]
     limit = cpu_options.BAKE_LIMIT_BYTES
-    modes = {"baked+ynn": limit, "arguments": 0}
+    modes = {"baked": limit, "arguments": 0}  # baked: as generations compile (the kernel where it builds)
 
     def run(method, budget, mode):
         cpu_options.BAKE_LIMIT_BYTES = modes[mode]
@@ -186,6 +193,8 @@ def main(argv=None) -> int:
     drafter = api.load_model(shipped(SHIPPED_DRAFTER))
     prompt = encode_prompts(target.path, [DEFAULT_REQUEST], chat=True)[0]
     vocab = planning.draft_vocabulary(target, drafter, "auto")
+    if any("+kernel" in o for o in option_names) and not cpu_dot.available():
+        parser.error(f"a +kernel mode needs the few-row kernel: {cpu_dot.status()}")
     if vocab is None and any(o.endswith("+vocab") for o in option_names):
         parser.error(f"a +vocab mode needs {planning.DRAFT_VOCAB_FILE} beside the drafter (experiments/draft_vocab.py)")
     results = []

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from dtree_jax import cpu_dot
 from dtree_jax.models import moe
 from dtree_jax.models.cache import KVCache, causal_prefill, compact_kv, init_kv_cache
 from dtree_jax.models.config import DecoderConfig
@@ -126,7 +127,7 @@ def lm_head(params: DecoderParams, cfg: DecoderConfig, x: jax.Array) -> jax.Arra
     else the embedding table."""
     if params.lm_head is None:
         return jnp.einsum("...h,vh->...v", x, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
+    return cpu_dot.matmul_fp32(x, params.lm_head)
 
 
 def forward(

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dtree_jax import cpu_dot
 from dtree_jax.models.cache import KVCache, init_kv_cache
 from dtree_jax.models.config import DrafterConfig
 from dtree_jax.models.domino_head import DominoHead, corrected_logits, gru_run, gru_step
@@ -275,7 +276,7 @@ def head_logits(
     with a draft vocabulary, -inf for every token outside it (a gather: XLA:CPU's scatter is far slower)."""
     if params.lm_head is None:
         return target.lm_head(target_params, target_cfg, ph)
-    logits = jnp.einsum("...h,hv->...v", ph, params.lm_head, preferred_element_type=jnp.float32)
+    logits = cpu_dot.matmul_fp32(ph, params.lm_head)
     if params.vocab_columns is None:
         return logits[..., : cfg.model.vocab_size]
     outside = jnp.full(logits.shape[:-1] + (1,), -jnp.inf, jnp.float32)

@@ -1,0 +1,155 @@
+"""The few-row CPU dot (``dtree_jax.cpu_dot``): the product of its pure-jnp reference on odd shapes, a row's result
+independent of the other rows bit for bit, the dense weights packed where generations bake their weights in (the
+tokens unchanged, the kernel in the compiled program), and XLA's dots, with one reason, wherever it cannot run."""
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtree_jax import api, cpu_dot, cpu_options, loop, running
+from dtree_jax.api import generate
+from dtree_jax.models import decoder
+from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
+
+# Every machine of our kind builds it (x86-64 with AVX-512 or AVX2 + FMA, a C++ compiler); elsewhere XLA's dots run.
+needs_kernel = pytest.mark.skipif(not cpu_dot.available(), reason=f"needs the kernel: {cpu_dot.status()}")
+
+
+def _weight(k, n, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((k, n), dtype=np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(1, 1), (7, 3), (64, 64), (96, 130), (576, 200)])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 7), (13,)])
+def test_the_kernel_computes_the_references_product(k, n, lead):
+    w = _weight(k, n)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (k,), dtype=np.float32))
+    packed = cpu_dot.pack(w)
+    assert packed.shape == (k, n) and packed.panels.shape == (-(-n // 64), k, 64)
+    np.testing.assert_array_equal(cpu_dot.unpack(packed), w)
+    got = jax.jit(lambda x, p: x @ p)(x, packed)
+    assert got.shape == lead + (n,) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-5 * np.sqrt(k))
+
+
+@needs_kernel
+def test_a_rows_result_never_depends_on_the_other_rows():
+    """Every row of a 13-row call equals, bit for bit, the same row computed alone or in any other group (row
+    groups of 6, 5, 1 ... in the kernel); changing one row changes that row only (the check can fail)."""
+    packed = cpu_dot.pack(_weight(576, 1000))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((13, 576), dtype=np.float32))
+    dot = jax.jit(lambda x: x @ packed)
+    full = np.asarray(dot(x))
+    for lo, hi in [(0, 1), (4, 5), (0, 5), (3, 12), (7, 13), (12, 13)]:
+        np.testing.assert_array_equal(np.asarray(dot(x[lo:hi])), full[lo:hi])
+    changed = np.asarray(dot(x.at[4, 0].add(1.0)))
+    assert not np.array_equal(changed[4], full[4])
+    np.testing.assert_array_equal(np.delete(changed, 4, axis=0), np.delete(full, 4, axis=0))
+
+
+@needs_kernel
+def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
+    """Hosts without AVX-512 build the AVX2 variant (half-panel passes, 2 rows a pass): built here with
+    ``-mno-avx512f`` and called through its own FFI name, it gives the reference's product and the same bits
+    for a row alone or among others."""
+    import ctypes
+
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    lib = cpu_dot._build(cpu_dot._compiler(), ("-march=native", "-mno-avx512f"))
+    name = cpu_dot.FFI_TARGET + "_avx2_test"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot),
+                                platform="cpu")
+    packed = cpu_dot.pack(_weight(96, 130))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((7, 96), dtype=np.float32))
+    dot = jax.jit(lambda x: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], 130), jnp.float32))(
+        x, packed.panels))
+    full = np.asarray(dot(x))
+    np.testing.assert_allclose(full, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-4)
+    for lo, hi in [(0, 1), (2, 5), (6, 7)]:
+        np.testing.assert_array_equal(np.asarray(dot(x[lo:hi])), full[lo:hi])
+
+
+@needs_kernel
+def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
+    _, target, draft = models
+    packed = cpu_options.pack_dense(target.params)
+    layer = packed.layers[0]
+    assert all(isinstance(getattr(layer, f), cpu_dot.PackedWeight) for f in ("wq", "wk", "wv", "wo", "w_up"))
+    assert isinstance(layer.attn_norm, jax.Array) and packed.embed is target.params.embed
+    assert isinstance(cpu_options.pack_dense(draft.params).fc, cpu_dot.PackedWeight)
+    tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
+    prefill = jax.jit(lambda params: decoder.prefill(params, target.cfg, tokens,
+                                                      decoder.init_cache(target.cfg, 1, 16), None, taps=(0, 1)))
+    for got, want in zip(jax.tree.leaves(prefill(packed)), jax.tree.leaves(prefill(target.params))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # logits, features, cache
+    x = decoder.embed(target.params, tokens)
+    tied = cpu_options.pack_dense(dataclasses.replace(target.params, layers=(), lm_head=None))
+    assert isinstance(tied.lm_head, cpu_dot.PackedWeight) and tied.lm_head.shape == target.params.embed.T.shape
+    np.testing.assert_allclose(decoder.lm_head(tied, target.cfg, x),
+                               jnp.einsum("...h,vh->...v", x, target.params.embed), rtol=1e-5, atol=1e-5)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), target.params)
+    assert not any(isinstance(leaf, cpu_dot.PackedWeight) for leaf in jax.tree.leaves(
+        cpu_options.pack_dense(bf16), is_leaf=lambda a: isinstance(a, cpu_dot.PackedWeight)))  # fp32 only
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["ar", "dominotree"])
+def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, monkeypatch):
+    """A baked generation's program calls the kernel, and gives the tokens and rounds of the program that takes
+    its weights as arguments (XLA's dots); without the kernel (``DTREE_JAX_CPU_DOT=0``) the baked round has no
+    call to it (control)."""
+    _, target, draft = models
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
+    baked = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
+    monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
+    monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
+    plain = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
+    assert baked.tokens == plain.tokens
+    assert [s["rounds"] for s in baked.stats] == [s["rounds"] for s in plain.stats]
+    monkeypatch.undo()
+
+    knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
+                 stop_ids=(), top_k=0, top_p=1.0)
+    spec = api.make_spec(target, draft, method, **knobs)
+    inputs = (jnp.asarray([PROMPTS[0]], jnp.int32), jnp.asarray([len(PROMPTS[0])], jnp.int32), api.request_keys(0, 1),
+              jnp.float32(0))
+    dp = draft.params if spec.record.drafts else None
+    state = loop.prefill_on_device(spec, target.params, dp, *inputs)
+
+    def kernel_calls() -> int:
+        compiled = []
+        compile_baked = cpu_options.compile_baked
+        monkeypatch.setattr(cpu_options, "compile_baked", lambda *a, **k: compiled.append(compile_baked(*a, **k)))
+        cpu_options.compile_here(loop.decode_round, spec, (target.params, dp), inputs[-1], state,
+                                 bake=functools.partial(loop.unshared_heads, spec))
+        monkeypatch.setattr(cpu_options, "compile_baked", compile_baked)
+        (program,) = compiled
+        return sum(cpu_dot.FFI_TARGET in line for line in program.as_text().splitlines())
+
+    assert kernel_calls() > 0
+    monkeypatch.setitem(cpu_dot._state, "ok", False)
+    assert kernel_calls() == 0
+
+
+def test_where_the_kernel_cannot_build_xlas_dots_run_and_say_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_dot, "_state", {})
+    monkeypatch.setenv(cpu_dot.DISABLE_ENV, "0")
+    assert not cpu_dot.available() and cpu_dot.status() == f"XLA's dots ({cpu_dot.DISABLE_ENV}=0)"
+    monkeypatch.delenv(cpu_dot.DISABLE_ENV)
+    monkeypatch.setattr(cpu_dot, "_state", {})
+    monkeypatch.setattr(cpu_dot, "_compiler", lambda: None)
+    assert not cpu_dot.available() and "no C++ compiler" in cpu_dot.status()
+    monkeypatch.undo()
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_dot, "_state", {})
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    monkeypatch.setattr(cpu_dot, "_compiler", lambda: __import__("shutil").which("false"))
+    assert not cpu_dot.available() and "did not build here" in cpu_dot.status()
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
