@@ -164,6 +164,38 @@ def plot_budgets(rows: list[dict], name: str) -> None:
     plot(name, draw)
 
 
+def plot_goodput(rows: list[dict], budgets) -> None:
+    """Goodput vs batch for each fixed budget and for auto."""
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for b in budgets:
+            xs = [r for r in rows if r.get("budget") == b and not r.get("auto") and r["method"] != "ar"]
+            ax.plot([r["batch"] for r in xs], [r["tokens_per_second"] for r in xs], "o-", label=f"budget {b}")
+        xs = [r for r in rows if r.get("auto")]
+        ax.plot([r["batch"] for r in xs], [r["tokens_per_second"] for r in xs], "k*--", ms=10, label="auto")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("goodput (generated tokens/s, CPU)")
+        ax.legend(fontsize=8)
+        return fig, ax
+
+    plot("goodput", draw)
+
+
+def replot(parts) -> None:
+    """Redraws the figures of ``parts`` from their saved ``exp_<pair>_<part>.json`` (no runs)."""
+    for part in parts:
+        path = RESULTS / f"exp_{PREFIX}{part}.json"
+        if not path.is_file():
+            raise SystemExit(f"error: no {path} to plot; run the part first")
+        rows = json.loads(path.read_text())["rows"]
+        if part in ("budgets", "sampled"):
+            plot_budgets(rows, part)
+        elif part == "goodput":
+            plot_goodput(rows, sorted({r["budget"] for r in rows if isinstance(r.get("budget"), int)}))
+
+
 def part_width(run: Runner, budget, widths) -> list[dict]:
     return [run("dominotree", budget=budget, corr_topm=m) for m in widths]
 
@@ -217,20 +249,7 @@ def part_goodput(run: Runner, calib: Runner, drafter, budgets, batches) -> dict:
                                      auto_vs_best_or_ar=auto["tokens_per_second"]
                                      / max(best["tokens_per_second"], ar["tokens_per_second"]))]
 
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for b in budgets:
-            xs = [r for r in rows if r.get("budget") == b and not r.get("auto") and r["method"] != "ar"]
-            ax.plot([r["batch"] for r in xs], [r["tokens_per_second"] for r in xs], "o-", label=f"budget {b}")
-        xs = [r for r in rows if r.get("auto")]
-        ax.plot([r["batch"] for r in xs], [r["tokens_per_second"] for r in xs], "k*--", ms=10, label="auto")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("goodput (generated tokens/s, CPU)")
-        ax.legend(fontsize=8)
-        return fig, ax
-
-    plot("goodput", draw)
+    plot_goodput(rows, budgets)
     return dict(calibration=cal, calibration_seconds=cal_seconds, rows=rows)
 
 
@@ -274,12 +293,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=96, help="tiny pair: prompt bytes")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--plot-only", action="store_true", help="redraw the parts' figures from their saved JSON")
     for knob in ("budgets", "ablation-budget", "widths", "goodput-budgets", "batches", "sampled-budgets"):
         p.add_argument(f"--{knob}")
     a = p.parse_args(argv)
     d = PAIRS[a.pair]
     pick = lambda name: getattr(a, name) if getattr(a, name) is not None else d[name]  # noqa: E731
     ints = lambda text: [int(x) for x in str(text).split(",")]  # noqa: E731
+    if a.plot_only:
+        PREFIX = "smollm2_" if a.pair == "smollm2" else ""
+        replot(a.only.split(","))
+        return 0
     if a.pair == "smollm2":
         from dtree_jax.gguf import smollm2_gguf
 
