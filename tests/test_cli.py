@@ -127,7 +127,9 @@ def test_the_installed_package_runs_the_main_job_from_anywhere(tmp_path):
                             str(tmp_path / "wheel"), str(root)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-2000:]
     site = tmp_path / "site"
-    zipfile.ZipFile(next((tmp_path / "wheel").glob("dtree_jax-*.whl"))).extractall(site)
+    wheel = zipfile.ZipFile(next((tmp_path / "wheel").glob("dtree_jax-*.whl")))
+    assert "dtree_jax/cpu_dot.cc" in wheel.namelist()  # the few-row CPU kernel's source, built on first use
+    wheel.extractall(site)
     code = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
         f"sys.path.insert(0, {str(site)!r}); import dtree_jax, dtree_jax.cli as cli; "
