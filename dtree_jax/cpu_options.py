@@ -82,6 +82,9 @@ def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = No
         return jax.jit(functools.partial(fn, *weights)).lower(*args).compile(compiler_options=options)
 
 
+def _packable(w) -> bool:
+    return isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32
+
 
 def pack_dense(tree):
     """``tree`` (params: dataclasses, tuples, lists) with every fp32 2-D weight in ``DENSE_FIELDS`` as a
@@ -92,15 +95,14 @@ def pack_dense(tree):
     if not dataclasses.is_dataclass(tree) or isinstance(tree, type):
         return tree
     dense = next((f for cls, f in DENSE_FIELDS.items() if isinstance(tree, cls)), ())
-    packable = lambda w: isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32  # noqa: E731
     changes = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
-        if field.name in dense and packable(value):
+        if field.name in dense and _packable(value):
             changes[field.name] = cpu_dot.pack(value)
         elif isinstance(value, (tuple, list)) or dataclasses.is_dataclass(value):
             changes[field.name] = pack_dense(value)
-    if isinstance(tree, DecoderParams) and tree.lm_head is None and packable(tree.embed):
+    if isinstance(tree, DecoderParams) and tree.lm_head is None and _packable(tree.embed):
         changes["lm_head"] = cpu_dot.pack(tree.embed.T)
     return dataclasses.replace(tree, **changes)
 
@@ -108,8 +110,9 @@ def pack_dense(tree):
 def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None, bake: Callable | None = None) -> Callable:
     """``fn(static, *weights, *inputs)`` compiled for this backend as generations compile: the weights baked in
     where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values; their dense
-    weights packed for ``cpu_dot`` where it is available), else every array an argument.  Returns ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it
-    answers for its own, so callers key it by their identity)."""
+    weights packed for ``cpu_dot`` where it is available), else every array an argument.  Returns
+    ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it answers for its own, so
+    callers key it by their identity)."""
     if bakes_weights(mesh, *weights):
         baked = weights if bake is None else bake(*weights)
         if cpu_dot.available():
