@@ -25,7 +25,8 @@ constexpr int64_t kPanel = 64;           // columns per panel (the packed layout
 constexpr int64_t kPrefetchRows = 256;   // how far ahead (in k) a multi-row pass prefetches its panel into L2
 
 // The vector registers: AVX-512 (16 floats) where the compiler targets it, else AVX2 (8 floats).  A pass covers
-// kVecs registers of columns per row: the whole 64-column panel with AVX-512, half of it with AVX2 (16 registers).
+// Vecs<R> registers of columns per row: the whole 64-column panel with AVX-512; with AVX2 (16 registers) the whole
+// panel for one row (a contiguous stream) and half of it for two.
 #if defined(__AVX512F__)
 using Reg = __m512;
 #define SIMD(op) _mm512_##op
@@ -33,25 +34,27 @@ constexpr int kMaxRows = 6;  // 6 rows x 4 accumulators + 4 weights + 1 broadcas
 #else
 using Reg = __m256;
 #define SIMD(op) _mm256_##op
-constexpr int kMaxRows = 2;  // 2 x 4 + 4 + 1 <= 16
+constexpr int kMaxRows = 2;  // 2 rows x 4 accumulators + 4 weights + 1 broadcast <= 16 registers
 #endif
 constexpr int kWidth = sizeof(Reg) / sizeof(float);
-constexpr int kVecs = 4;
-constexpr int64_t kPassCols = kVecs * kWidth;
+template <int R>
+constexpr int Vecs() { return kWidth == 8 && R == 1 ? 8 : 4; }
 
 // R rows of x [R, K] against one panel [K, 64]; `out` [R, N] gets columns col .. min(col + 64, N) - 1.
 template <int R>
 static inline void panel(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t col) {
+  constexpr int kVecs = Vecs<R>();
+  constexpr int64_t kPassCols = kVecs * kWidth;
   for (int64_t pass = 0; pass < kPanel; pass += kPassCols) {
     Reg acc[R][kVecs];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) acc[r][v] = SIMD(setzero_ps)();
     const float* wp = w + pass;
     for (int64_t k = 0; k < K; ++k, wp += kPanel) {
       Reg wv[kVecs];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) wv[v] = SIMD(loadu_ps)(wp + kWidth * v);
       if (R >= 2) {  // one row keeps up with the hardware prefetcher; more rows fall behind it
 #pragma GCC unroll 4
@@ -61,7 +64,7 @@ static inline void panel(const float* x, int64_t K, const float* w, float* out, 
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         Reg xb = SIMD(set1_ps)(x[r * K + k]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int v = 0; v < kVecs; ++v) acc[r][v] = SIMD(fmadd_ps)(xb, wv[v], acc[r][v]);
       }
     }
@@ -70,7 +73,7 @@ static inline void panel(const float* x, int64_t K, const float* w, float* out, 
     if (first + kPassCols <= N) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int v = 0; v < kVecs; ++v) SIMD(storeu_ps)(out + r * N + first + kWidth * v, acc[r][v]);
     } else {
       alignas(64) float tmp[kPassCols];

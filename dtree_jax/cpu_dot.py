@@ -9,7 +9,8 @@ depends on the others: a tree verify computes, bit for bit, what one-row ``ar`` 
 It is built on first use with the host's C++ compiler (``$CXX``, else ``c++`` or ``g++``) for this CPU
 (``-march=native``, AVX-512F or AVX2 with FMA) into the cache (``$DTREE_JAX_CACHE/cpu-dot``, keyed by the source,
 the compiler, jax's version and the CPU).  Where it cannot be built, or with ``DTREE_JAX_CPU_DOT=0``,
-``available()`` is False (``status()`` says why) and programs keep XLA's dots.  ``cpu_options`` packs the dense
+``available()`` is False (``status()`` says why) and programs keep XLA's dots; ``DTREE_JAX_CPU_DOT=avx2`` builds
+the AVX2 variant on a CPU with AVX-512 (to measure what hosts without AVX-512 run).  ``cpu_options`` packs the dense
 weights of CPU programs that bake their weights in; programs for accelerators never see it.
 """
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 PANEL = 64  # columns per panel; cpu_dot.cc's kPanel
 FFI_TARGET = "dtree_jax_cpu_fewrow_dot"
 SOURCE = Path(__file__).with_name("cpu_dot.cc")
-DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel
+DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,20 +146,27 @@ def _build(compiler: str, arch: tuple[str, ...] = ("-march=native",)) -> Path:
 
 
 def _load() -> tuple[bool, str]:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    choice = os.environ.get(DISABLE_ENV, "1")
+    if choice == "0":
         return False, f"XLA's dots ({DISABLE_ENV}=0)"
     if platform.machine() not in ("x86_64", "AMD64"):
         return False, f"XLA's dots (the kernel is x86-64 only; this is {platform.machine()})"
     compiler = _compiler()
     if compiler is None:
         return False, "XLA's dots (no C++ compiler found to build the few-row kernel; set CXX)"
+    arch = ("-march=native", "-mno-avx512f") if choice == "avx2" else ("-march=native",)
     try:
-        lib = _build(compiler)
-        handler = ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot
+        lib = _build(compiler, arch)
+        try:
+            handler = ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot
+        except OSError:  # a cached library that does not load (truncated, foreign): rebuilt once
+            lib.unlink(missing_ok=True)
+            lib = _build(compiler, arch)
+            handler = ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return False, f"XLA's dots (the few-row kernel did not build here: {err})"
     jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return True, f"the few-row kernel ({lib.name})"
+    return True, f"the few-row kernel ({lib.name}{', AVX2' if choice == 'avx2' else ''})"
 
 
 def available() -> bool:

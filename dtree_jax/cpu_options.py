@@ -29,6 +29,7 @@ from dtree_jax import cpu_dot
 from dtree_jax.models.decoder import DecoderParams
 from dtree_jax.models.drafter import DrafterParams
 from dtree_jax.models.layers import DenseMLP, LayerParams
+from dtree_jax.models.qwen3_5 import AttnParams, GDNParams, Qwen35Params
 
 OPTION_SETS: dict[str, dict[str, str]] = {
     "default": {},
@@ -45,6 +46,9 @@ DENSE_FIELDS = {
     DenseMLP: ("w_gate", "w_up", "w_down"),
     DecoderParams: ("lm_head",),
     DrafterParams: ("fc", "lm_head"),
+    AttnParams: ("wq", "wk", "wv", "wo"),  # the hybrid targets' full-attention layers
+    GDNParams: ("w_qkv", "w_z", "w_b", "w_a", "w_out"),  # and their Gated DeltaNet layers
+    Qwen35Params: ("lm_head",),
 }
 
 
@@ -102,7 +106,7 @@ def pack_dense(tree):
             changes[field.name] = cpu_dot.pack(value)
         elif isinstance(value, (tuple, list)) or dataclasses.is_dataclass(value):
             changes[field.name] = pack_dense(value)
-    if isinstance(tree, DecoderParams) and tree.lm_head is None and _packable(tree.embed):
+    if isinstance(tree, (DecoderParams, Qwen35Params)) and tree.lm_head is None and _packable(tree.embed):
         changes["lm_head"] = cpu_dot.pack(tree.embed.T)
     return dataclasses.replace(tree, **changes)
 

@@ -214,12 +214,14 @@ def main(argv=None) -> int:
             rows = summary(times[o])
             spec = named[o]["round"][1][0]
             results.append(dict(budget=budget, verify_rows=spec.num_nodes, draft_rows=spec.draft_depth, mode=o,
-                                draft_vocab=len(spec.draft_vocab.ids) if spec.draft_vocab else None, baked=MODES[o][0], xla_options=MODES[o][1], stages=rows,
+                                draft_vocab=len(spec.draft_vocab.ids) if spec.draft_vocab else None,
+                                baked=MODES[o][0], xla_options=MODES[o][1], stages=rows,
                                 compile_s={k: v[2] for k, v in compiled[o].items()},
-                                stage_sum_x_ar=sum(rows[k]["x_ar"] for k in ("draft", "build", "verify", "commit")),
+                                stage_sum_x_ar=sum(rows[k]["x_ar"]
+                                                   for k in ("draft", "build", "verify", "commit")),
                                 times_ms={k: [t * 1e3 for t in v] for k, v in times[o].items()}))
     generations = whole_generations(target, drafter, budgets, args.generations) if args.generations else None
-    payload = dict(machine=machine(), prompt_tokens=len(prompt), repeats=args.repeats, results=results,
+    payload = dict(machine=machine(), kernel=cpu_dot.status(), prompt_tokens=len(prompt), repeats=args.repeats, results=results,
                    generations=generations)
     pathlib.Path(args.out).write_text(json.dumps(payload, indent=1))
     print(f"| budget | mode | ar step ms | {' | '.join(k for k in results[0]['stages'] if k != 'ar step')} |")

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,31 +40,37 @@ def main(argv=None) -> int:
     if not args.keep_cache:
         cache = tempfile.mkdtemp(prefix="dtree-jax-cache-")
         env["DTREE_JAX_CACHE"] = cache
-    rows = []
-    for prompt in args.prompt or [None]:
-        for run in range(args.runs):
-            cmd = [sys.executable, "-m", "dtree_jax.cli", "generate", "--json", "--budget", args.budget,
-                   "--timing-pairs", str(args.timing_pairs)] + (["--prompt", prompt] if prompt else [])
-            t0 = time.perf_counter()
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
-            wall = time.perf_counter() - t0
-            if out.returncode != 0:
-                print(out.stderr[-2000:], file=sys.stderr)
-                return 1
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            row.update(run=run, wall_seconds=wall)
-            rows.append(row)
-            ar = sorted(r[0] for r in row["timing"]["ar_tokens_per_second"])
-            print(f"run {run}: {row['method']} budget {row['budget']}, tau {row['tau']:.2f}, "
-                  f"{row['speedup_vs_ar']:.2f}x ar (spread {row['speedup_spread'][0]:.2f}-{row['speedup_spread'][1]:.2f}; "
-                  f"ar median {ar[len(ar) // 2]:.1f} tok/s), same output as ar: "
-                  f"{'yes' if row['same_output_as_ar'] else 'NO'}, {wall:.0f} s wall | {row['auto']}", flush=True)
-    os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]  # the machine record names the runs' backend, unprobed
-    from experiments.run_experiments import machine
+    try:
+        rows = []
+        for prompt in args.prompt or [None]:
+            for run in range(args.runs):
+                cmd = [sys.executable, "-m", "dtree_jax.cli", "generate", "--json", "--budget", args.budget,
+                       "--timing-pairs", str(args.timing_pairs)] + (["--prompt", prompt] if prompt else [])
+                t0 = time.perf_counter()
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
+                wall = time.perf_counter() - t0
+                if out.returncode != 0:
+                    print(out.stderr[-2000:], file=sys.stderr)
+                    return 1
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                row.update(run=run, wall_seconds=wall)
+                rows.append(row)
+                ar = sorted(r[0] for r in row["timing"]["ar_tokens_per_second"])
+                low, high = row["speedup_spread"]
+                print(f"run {run}: {row['method']} budget {row['budget']}, tau {row['tau']:.2f}, "
+                      f"{row['speedup_vs_ar']:.2f}x ar (spread {low:.2f}-{high:.2f}; "
+                      f"ar median {ar[len(ar) // 2]:.1f} tok/s), same output as ar: "
+                      f"{'yes' if row['same_output_as_ar'] else 'NO'}, {wall:.0f} s wall | {row['auto']}", flush=True)
+        os.environ.update(env)  # the machine record names the runs' backend (unprobed) and their dots
+        from dtree_jax import cpu_dot
+        from experiments.run_experiments import machine
 
-    payload = dict(machine=machine(), budget=args.budget, timing_pairs=args.timing_pairs, fresh_cache=cache is not None,
-                   runs=rows)
-    pathlib.Path(args.out).write_text(json.dumps(payload, indent=1))
+        payload = dict(machine=machine(), kernel=cpu_dot.status(), budget=args.budget,
+                       timing_pairs=args.timing_pairs, fresh_cache=cache is not None, runs=rows)
+        pathlib.Path(args.out).write_text(json.dumps(payload, indent=1))
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)  # these runs' converted GGUF and round costs
     return 0
 
 

@@ -3,6 +3,7 @@ independent of the other rows bit for bit, the dense weights packed where genera
 tokens unchanged, the kernel in the compiled program), and XLA's dots, with one reason, wherever it cannot run."""
 
 import collections
+import ctypes
 import dataclasses
 import functools
 
@@ -13,7 +14,7 @@ import pytest
 
 from dtree_jax import api, cpu_dot, cpu_options, loop, running
 from dtree_jax.api import generate
-from dtree_jax.models import decoder
+from dtree_jax.models import decoder, qwen3_5
 from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
 
 # Every machine of our kind builds it (x86-64 with AVX-512 or AVX2 + FMA, a C++ compiler); elsewhere XLA's dots run.
@@ -55,10 +56,9 @@ def test_a_rows_result_never_depends_on_the_other_rows():
 
 @needs_kernel
 def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
-    """Hosts without AVX-512 build the AVX2 variant (half-panel passes, 2 rows a pass): built here with
-    ``-mno-avx512f`` and called through its own FFI name, it gives the reference's product and the same bits
-    for a row alone or among others."""
-    import ctypes
+    """Hosts without AVX-512 build the AVX2 variant (one row: a whole panel per pass; two rows: half a panel):
+    built here with ``-mno-avx512f`` (as ``DTREE_JAX_CPU_DOT=avx2`` builds it) and called through its own FFI
+    name, it gives the reference's product and the same bits for a row alone or among others."""
 
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
     lib = cpu_dot._build(cpu_dot._compiler(), ("-march=native", "-mno-avx512f"))
@@ -71,7 +71,7 @@ def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
         x, packed.panels))
     full = np.asarray(dot(x))
     np.testing.assert_allclose(full, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-4)
-    for lo, hi in [(0, 1), (2, 5), (6, 7)]:
+    for lo, hi in [(0, 1), (0, 2), (2, 5), (1, 7), (6, 7)]:
         np.testing.assert_array_equal(np.asarray(dot(x[lo:hi])), full[lo:hi])
 
 
@@ -98,13 +98,8 @@ def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
         cpu_options.pack_dense(bf16), is_leaf=lambda a: isinstance(a, cpu_dot.PackedWeight)))  # fp32 only
 
 
-@needs_kernel
-@pytest.mark.parametrize("method", ["ar", "dominotree"])
-def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, monkeypatch):
-    """A baked generation's program calls the kernel, and gives the tokens and rounds of the program that takes
-    its weights as arguments (XLA's dots); without the kernel (``DTREE_JAX_CPU_DOT=0``) the baked round has no
-    call to it (control)."""
-    _, target, draft = models
+def _assert_baked_equals_arguments(target, draft, method, monkeypatch):
+    """The baked generation (the kernel's dots) gives the tokens and rounds of the argument program (XLA's)."""
     monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
     baked = generate(target, PROMPTS, method, draft, budget=6, max_new_tokens=16, stop_ids=())
     monkeypatch.setattr(cpu_options, "bakes_weights", lambda *a: False)
@@ -113,6 +108,16 @@ def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, m
     assert baked.tokens == plain.tokens
     assert [s["rounds"] for s in baked.stats] == [s["rounds"] for s in plain.stats]
     monkeypatch.undo()
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["ar", "dominotree"])
+def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, monkeypatch):
+    """A baked generation's program calls the kernel, and gives the tokens and rounds of the program that takes
+    its weights as arguments (XLA's dots); without the kernel (``DTREE_JAX_CPU_DOT=0``) the baked round has no
+    call to it (control)."""
+    _, target, draft = models
+    _assert_baked_equals_arguments(target, draft, method, monkeypatch)
 
     knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
                  stop_ids=(), top_k=0, top_p=1.0)
@@ -137,6 +142,35 @@ def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, m
     assert kernel_calls() == 0
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Qwen3.5 hybrid target (Gated DeltaNet and gated full-attention layers) and a Domino drafter."""
+    from tests.oracles_hybrid import save_hybrid_pair
+
+    root = tmp_path_factory.mktemp("hybrid")
+    save_hybrid_pair(root)
+    return api.load_model(root / "target"), api.load_model(root / "drafter")
+
+
+@needs_kernel
+def test_the_hybrid_targets_projections_are_packed_with_the_same_forward_and_tokens(hybrid, monkeypatch):
+    target, draft = hybrid
+    packed = cpu_options.pack_dense(target.params)
+    kinds = {type(layer.mixer).__name__: layer.mixer for layer in packed.layers}
+    assert set(kinds) == {"GDNParams", "AttnParams"}
+    for mixer in kinds.values():
+        for field in cpu_options.DENSE_FIELDS[type(mixer)]:
+            assert isinstance(getattr(mixer, field), cpu_dot.PackedWeight), field
+    assert isinstance(packed.layers[0].mlp.w_down, cpu_dot.PackedWeight)
+    tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
+    cache = qwen3_5.init_cache(target.cfg, 1, 16)
+    prefill = jax.jit(lambda params: qwen3_5.prefill(params, target.cfg, tokens, cache,
+                                                      jnp.asarray([tokens.shape[1]]), taps=(0, 1)))
+    for got, want in zip(jax.tree.leaves(prefill(packed)), jax.tree.leaves(prefill(target.params))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # logits, features, caches and states
+    _assert_baked_equals_arguments(target, draft, "dominotree", monkeypatch)
+
+
 def test_where_the_kernel_cannot_build_xlas_dots_run_and_say_why(tmp_path, monkeypatch):
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_dot, "_state", {})
@@ -153,3 +187,22 @@ def test_where_the_kernel_cannot_build_xlas_dots_run_and_say_why(tmp_path, monke
     monkeypatch.setattr(cpu_dot, "_compiler", lambda: __import__("shutil").which("false"))
     assert not cpu_dot.available() and "did not build here" in cpu_dot.status()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt(tmp_path, monkeypatch):
+    """A truncated or foreign file where the cached build should be is replaced by a fresh build, not taken as
+    a reason to fall back to XLA's dots (control: the file written there really does not load); the AVX2
+    variant (``DTREE_JAX_CPU_DOT=avx2``) is a build of its own."""
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_dot, "_cpu_fingerprint", lambda: "a CPU only this test has")  # a path never loaded
+    lib = cpu_dot._build(cpu_dot._compiler())
+    lib.write_bytes(b"\x7fELF, but truncated")
+    with pytest.raises(OSError):
+        ctypes.CDLL(str(lib))
+    monkeypatch.setattr(cpu_dot, "_state", {})
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: None)  # the process has its kernel already
+    assert cpu_dot.available(), cpu_dot.status()
+    assert lib.stat().st_size > 1000 and lib.name in cpu_dot.status()
+    monkeypatch.setenv(cpu_dot.DISABLE_ENV, "avx2")  # the variant for CPUs without AVX-512: its own build
+    monkeypatch.setattr(cpu_dot, "_state", {})
+    assert cpu_dot.available() and cpu_dot.status().endswith(", AVX2)") and lib.name not in cpu_dot.status()
