@@ -2,7 +2,7 @@
 //
 //   out[M, N] = x[M, K] @ w,   w packed as panels [P, K, 64]: panel p holds columns 64p .. 64p + 63 (zero past N).
 //
-// A panel is read once for up to 6 rows (AVX-512; 2 with AVX2) and stays in L2 for the next rows, so 5 or 9 rows
+// A panel is read once for up to 6 rows (AVX-512; 3 with AVX2) and stays in L2 for the next rows, so 5 or 9 rows
 // cost little more than one: the weights are read once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x
 // one row at 5 / 9 rows on our Intel hosts.  Every output element is the sum over k in order, one FMA per term,
 // whatever M is and whichever rows share a call: a row's result never depends on the other rows (tests check it
@@ -26,7 +26,7 @@ constexpr int64_t kPrefetchRows = 256;   // how far ahead (in k) a multi-row pas
 
 // The vector registers: AVX-512 (16 floats) where the compiler targets it, else AVX2 (8 floats).  A pass covers
 // Vecs<R> registers of columns per row: the whole 64-column panel with AVX-512; with AVX2 (16 registers) the whole
-// panel for one row (a contiguous stream) and half of it for two.
+// panel for one row (a contiguous stream) and half of it for two or three.
 #if defined(__AVX512F__)
 using Reg = __m512;
 #define SIMD(op) _mm512_##op
@@ -34,7 +34,7 @@ constexpr int kMaxRows = 6;  // 6 rows x 4 accumulators + 4 weights + 1 broadcas
 #else
 using Reg = __m256;
 #define SIMD(op) _mm256_##op
-constexpr int kMaxRows = 2;  // 2 rows x 4 accumulators + 4 weights + 1 broadcast <= 16 registers
+constexpr int kMaxRows = 3;  // 3 rows x 4 accumulators + 1 broadcast + weights, some as FMA memory operands
 #endif
 constexpr int kWidth = sizeof(Reg) / sizeof(float);
 template <int R>

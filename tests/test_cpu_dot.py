@@ -56,7 +56,7 @@ def test_a_rows_result_never_depends_on_the_other_rows():
 
 @needs_kernel
 def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
-    """Hosts without AVX-512 build the AVX2 variant (one row: a whole panel per pass; two rows: half a panel):
+    """Hosts without AVX-512 build the AVX2 variant (one row: a whole panel per pass; 2-3 rows: half a panel):
     built here with ``-mno-avx512f`` (as ``DTREE_JAX_CPU_DOT=avx2`` builds it) and called through its own FFI
     name, it gives the reference's product and the same bits for a row alone or among others."""
 
