@@ -34,6 +34,7 @@ PANEL = 64  # columns per panel; cpu_dot.cc's kPanel
 FFI_TARGET = "dtree_jax_cpu_fewrow_dot"
 SOURCE = Path(__file__).with_name("cpu_dot.cc")
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
+NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _cpu_fingerprint() -> str:
     return "\n".join(keep) or platform.processor() or platform.machine()
 
 
-def _build(compiler: str, arch: tuple[str, ...] = ("-march=native",)) -> Path:
+def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS) -> Path:
     """The shared library for this source, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
     into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
@@ -154,7 +155,7 @@ def _load() -> tuple[bool, str]:
     compiler = _compiler()
     if compiler is None:
         return False, "XLA's dots (no C++ compiler found to build the few-row kernel; set CXX)"
-    arch = ("-march=native", "-mno-avx512f") if choice == "avx2" else ("-march=native",)
+    arch = AVX2_FLAGS if choice == "avx2" else NATIVE_FLAGS
     try:
         lib = _build(compiler, arch)
         try:

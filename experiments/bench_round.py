@@ -221,8 +221,8 @@ def main(argv=None) -> int:
                                                    for k in ("draft", "build", "verify", "commit")),
                                 times_ms={k: [t * 1e3 for t in v] for k, v in times[o].items()}))
     generations = whole_generations(target, drafter, budgets, args.generations) if args.generations else None
-    payload = dict(machine=machine(), kernel=cpu_dot.status(), prompt_tokens=len(prompt), repeats=args.repeats, results=results,
-                   generations=generations)
+    payload = dict(machine=machine(), kernel=cpu_dot.status(), prompt_tokens=len(prompt), repeats=args.repeats,
+                   results=results, generations=generations)
     pathlib.Path(args.out).write_text(json.dumps(payload, indent=1))
     print(f"| budget | mode | ar step ms | {' | '.join(k for k in results[0]['stages'] if k != 'ar step')} |")
     for r in results:

@@ -61,7 +61,7 @@ def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
     name, it gives the reference's product and the same bits for a row alone or among others."""
 
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
-    lib = cpu_dot._build(cpu_dot._compiler(), ("-march=native", "-mno-avx512f"))
+    lib = cpu_dot._build(cpu_dot._compiler(), cpu_dot.AVX2_FLAGS)
     name = cpu_dot.FFI_TARGET + "_avx2_test"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot),
                                 platform="cpu")
@@ -189,6 +189,7 @@ def test_where_the_kernel_cannot_build_xlas_dots_run_and_say_why(tmp_path, monke
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
 
 
+@needs_kernel
 def test_a_cached_library_that_does_not_load_is_rebuilt(tmp_path, monkeypatch):
     """A truncated or foreign file where the cached build should be is replaced by a fresh build, not taken as
     a reason to fall back to XLA's dots (control: the file written there really does not load); the AVX2
