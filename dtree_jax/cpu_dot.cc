@@ -2,9 +2,9 @@
 //
 //   out[M, N] = x[M, K] @ w,   w packed as panels [P, K, 64]: panel p holds columns 64p .. 64p + 63 (zero past N).
 //
-// A panel is read once for up to 6 rows (AVX-512; 3 with AVX2) and stays in L2 for the next rows, so 5 or 9 rows
-// cost little more than one: the weights are read once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x
-// one row at 5 / 9 rows on our Intel hosts.  Every output element is the sum over k in order, one FMA per term,
+// A panel is read from memory once for up to 12 rows, in blocks of 64 panel rows that groups of up to 6 rows
+// (AVX-512; 3 with AVX2) take in turn from L1, so 5 or 9 rows cost little more than one: the weights are read
+// once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.  Every output element is the sum over k in order, one FMA per term,
 // whatever M is and whichever rows share a call: a row's result never depends on the other rows (tests check it
 // bit for bit), so a verify of N rows computes what N one-row steps would.  Columns are split across XLA's
 // intra-op thread pool; the calling thread takes work too and waits only for chunks that are running.
@@ -22,7 +22,9 @@
 
 namespace ffi = xla::ffi;
 constexpr int64_t kPanel = 64;           // columns per panel (the packed layout's last dimension)
-constexpr int64_t kPrefetchRows = 256;   // how far ahead (in k) a multi-row pass prefetches its panel into L2
+constexpr int64_t kPrefetchRows = 64;    // how far ahead (in k) a multi-row pass prefetches its panel into L2
+constexpr int64_t kBlockRows = 64;       // panel rows (in k) all the rows of a group take in turn
+constexpr int kGroupRows = 12;           // rows that share one pass over a panel
 
 // The vector registers: AVX-512 (16 floats) where the compiler targets it, else AVX2 (8 floats).  A pass covers
 // Vecs<R> registers of columns per row: the whole 64-column panel with AVX-512; with AVX2 (16 registers) the whole
@@ -40,23 +42,25 @@ constexpr int kWidth = sizeof(Reg) / sizeof(float);
 template <int R>
 constexpr int Vecs() { return kWidth == 8 && R == 1 ? 8 : 4; }
 
-// R rows of x [R, K] against one panel [K, 64]; `out` [R, N] gets columns col .. min(col + 64, N) - 1.
-template <int R>
-static inline void panel(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t col) {
+// R rows of x [R, K] against panel rows k0 .. k1 - 1 (a panel [K, 64]); acc [R, 64] holds the rows' running
+// sums (read unless k0 == 0, then written back).  kPrefetch: fetch the panel kPrefetchRows ahead into L2.
+template <int R, bool kPrefetch>
+static inline void block(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* acc) {
   constexpr int kVecs = Vecs<R>();
   constexpr int64_t kPassCols = kVecs * kWidth;
   for (int64_t pass = 0; pass < kPanel; pass += kPassCols) {
-    Reg acc[R][kVecs];
+    Reg a[R][kVecs];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = SIMD(setzero_ps)();
-    const float* wp = w + pass;
-    for (int64_t k = 0; k < K; ++k, wp += kPanel) {
+      for (int v = 0; v < kVecs; ++v)
+        a[r][v] = k0 == 0 ? SIMD(setzero_ps)() : SIMD(loadu_ps)(acc + r * kPanel + pass + kWidth * v);
+    const float* wp = w + k0 * kPanel + pass;
+    for (int64_t k = k0; k < k1; ++k, wp += kPanel) {
       Reg wv[kVecs];
 #pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) wv[v] = SIMD(loadu_ps)(wp + kWidth * v);
-      if (R >= 2) {  // one row keeps up with the hardware prefetcher; more rows fall behind it
+      if (kPrefetch) {
 #pragma GCC unroll 4
         for (int line = 0; line < kPassCols / 16; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * kPanel + 16 * line), _MM_HINT_T1);
@@ -65,39 +69,47 @@ static inline void panel(const float* x, int64_t K, const float* w, float* out, 
       for (int r = 0; r < R; ++r) {
         Reg xb = SIMD(set1_ps)(x[r * K + k]);
 #pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) acc[r][v] = SIMD(fmadd_ps)(xb, wv[v], acc[r][v]);
+        for (int v = 0; v < kVecs; ++v) a[r][v] = SIMD(fmadd_ps)(xb, wv[v], a[r][v]);
       }
     }
-    int64_t first = col + pass;
-    if (first >= N) return;
-    if (first + kPassCols <= N) {
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) SIMD(storeu_ps)(out + r * N + first + kWidth * v, acc[r][v]);
-    } else {
-      alignas(64) float tmp[kPassCols];
-      for (int r = 0; r < R; ++r) {
-        for (int v = 0; v < kVecs; ++v) SIMD(storeu_ps)(tmp + kWidth * v, acc[r][v]);
-        for (int64_t c = first; c < N; ++c) out[r * N + c] = tmp[c - first];
-      }
-    }
+      for (int v = 0; v < kVecs; ++v) SIMD(storeu_ps)(acc + r * kPanel + pass + kWidth * v, a[r][v]);
   }
 }
 
-// All M rows against panels p0 .. p1 - 1, in row groups of up to kMaxRows per panel.
+// block<g, ...> for a run-time g in 1 .. kMaxRows.
+template <int R = kMaxRows>
+static inline void block_of(int g, bool prefetch, const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
+                            float* acc) {
+  if constexpr (R >= 1) {
+    if (g != R) return block_of<R - 1>(g, prefetch, x, K, w, k0, k1, acc);
+    if (prefetch) return block<R, true>(x, K, w, k0, k1, acc);
+    block<R, false>(x, K, w, k0, k1, acc);
+  }
+}
+
+// All M rows against panels p0 .. p1 - 1.  Up to kGroupRows rows share a panel's pass: a block of kBlockRows
+// panel rows (16 KB) is read from memory once, for the first kMaxRows of them, and from L1 for the others, so
+// the weights stream from memory without a pause while the later rows compute.  One row keeps up with the
+// hardware prefetcher alone; more rows fall behind it, so their first row group prefetches.
 static void rows(const float* x, int64_t M, int64_t K, const float* w, float* out, int64_t N, int64_t p0, int64_t p1) {
+  alignas(64) float acc[kGroupRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
     const float* wp = w + p * K * kPanel;
-    int64_t col = p * kPanel, r = 0;
-    for (; M - r >= kMaxRows; r += kMaxRows) panel<kMaxRows>(x + r * K, K, wp, out + r * N, N, col);
-    switch (M - r) {
-      case 5: panel<5>(x + r * K, K, wp, out + r * N, N, col); break;
-      case 4: panel<4>(x + r * K, K, wp, out + r * N, N, col); break;
-      case 3: panel<3>(x + r * K, K, wp, out + r * N, N, col); break;
-      case 2: panel<2>(x + r * K, K, wp, out + r * N, N, col); break;
-      case 1: panel<1>(x + r * K, K, wp, out + r * N, N, col); break;
-      default: break;
+    int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
+    if (cols <= 0) break;  // panels past N (only zeros)
+    for (int64_t r0 = 0; r0 < M; r0 += kGroupRows) {
+      int64_t m = std::min<int64_t>(kGroupRows, M - r0);
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
+        int64_t k1 = std::min(K, k0 + kBlockRows);
+        for (int64_t r = 0; r < m; r += kMaxRows) {
+          int g = static_cast<int>(std::min<int64_t>(kMaxRows, m - r));
+          block_of(g, M >= 2 && r == 0, x + (r0 + r) * K, K, wp, k0, k1, acc + r * kPanel);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) std::copy(acc + r * kPanel, acc + r * kPanel + cols, out + (r0 + r) * N + col);
     }
   }
 }

@@ -41,8 +41,9 @@ def test_the_kernel_computes_the_references_product(k, n, lead):
 
 @needs_kernel
 def test_a_rows_result_never_depends_on_the_other_rows():
-    """Every row of a 13-row call equals, bit for bit, the same row computed alone or in any other group (row
-    groups of 6, 5, 1 ... in the kernel); changing one row changes that row only (the check can fail)."""
+    """Every row of a 13-row call equals, bit for bit, the same row computed alone or in any other group (in the
+    kernel: 12 rows sharing a pass as groups of 6 + 6, then 1; or 5; or 6 + 3 ...); changing one row changes that
+    row only (the check can fail)."""
     packed = cpu_dot.pack(_weight(576, 1000))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((13, 576), dtype=np.float32))
     dot = jax.jit(lambda x: x @ packed)
