@@ -2,9 +2,9 @@
 (``PackedWeight``), run by ``cpu_dot.cc`` through XLA's FFI.
 
 XLA:CPU's dots (YNNPACK, with the weights baked in) cost 1.4x one row at 5 rows and 1.9x at 9 on our Intel hosts,
-so a 5-node verify cost 1.3-1.4x an ``ar`` step there.  This kernel reads each weight panel once for all the rows
-of a call and sums every output element in the same order whatever the number of rows, so a row's result never
-depends on the others: a tree verify computes, bit for bit, what one-row ``ar`` steps compute.
+so a 5-node verify cost 1.3-1.4x an ``ar`` step there.  This kernel reads each weight panel from memory once for
+up to 12 rows of a call and sums every output element in the same order whatever the number of rows, so a row's
+result never depends on the others: a tree verify computes, bit for bit, what one-row ``ar`` steps compute.
 
 It is built on first use with the host's C++ compiler (``$CXX``, else ``c++`` or ``g++``) for this CPU
 (``-march=native``, AVX-512F or AVX2 with FMA) into the cache (``$DTREE_JAX_CACHE/cpu-dot``, keyed by the source,

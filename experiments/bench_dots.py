@@ -1,0 +1,91 @@
+"""SmolLM2-135M's dense dots alone, at the rows a round uses: 30 layers' seven projections (q, k, v, o, gate, up,
+down; 538 MB of fp32 with the head) and the 49,152-wide output head, baked in as generations compile, with
+XLA's dots (YNNPACK) and with the few-row kernel (``dtree_jax.cpu_dot``), at 1 row (an ``ar`` step) and at a
+verify's 5 / 9 / 17 rows.  No attention, norms or trees: what the dots cost against their one-row price.
+
+    python experiments/bench_dots.py --rows 1,5,9,17 --repeats 20
+
+Random weights (the dots' cost does not depend on the values); a layer's input is the previous layer's output, as
+in the model.  Every program runs once per repeat, interleaved; medians, and ratios to the same dots at 1 row.
+Writes experiments/results/bench_dots.json (``kernel`` says which build of the kernel ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dtree_jax import cpu_dot, cpu_options  # noqa: E402
+from experiments.bench_round import time_interleaved  # noqa: E402
+from experiments.run_experiments import RESULTS, machine  # noqa: E402
+
+LAYERS, HIDDEN, KV_WIDTH, MLP_WIDTH, VOCAB = 30, 576, 192, 1536, 49152
+SHAPES = dict(q=(HIDDEN, HIDDEN), k=(HIDDEN, KV_WIDTH), v=(HIDDEN, KV_WIDTH), o=(HIDDEN, HIDDEN),
+              gate=(HIDDEN, MLP_WIDTH), up=(HIDDEN, MLP_WIDTH), down=(MLP_WIDTH, HIDDEN))
+
+
+def dense_dots(layers, head, x):  # x [R, HIDDEN] -> [R] (the head's row maxima: no [R, VOCAB] output kept)
+    for w in layers:
+        q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+        x = x + (q + jnp.concatenate([k, v, k], -1)) @ w["o"]
+        x = x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+    return jnp.max(x @ head, -1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,5,9,17", help="comma-separated row counts (1 is always included)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=str(RESULTS / "bench_dots.json"))
+    args = parser.parse_args(argv)
+    try:
+        rows = sorted({1, *(int(r) for r in args.rows.split(","))})
+    except ValueError:
+        parser.error(f"--rows wants comma-separated integers, got {args.rows!r}")
+    if rows[0] < 1 or args.repeats < 1:
+        parser.error("--rows and --repeats must be positive")
+    if not cpu_dot.available():
+        parser.error(f"this benchmark compares the few-row kernel with XLA's dots: {cpu_dot.status()}")
+
+    rng = np.random.default_rng(0)
+    layers = [{name: jnp.asarray(rng.normal(size=shape) * 0.02, jnp.float32) for name, shape in SHAPES.items()}
+              for _ in range(LAYERS)]
+    head = jnp.asarray(rng.normal(size=(HIDDEN, VOCAB)) * 0.02, jnp.float32)
+    weights = {"ynn": (layers, head),
+               "kernel": ([{n: cpu_dot.pack(w) for n, w in layer.items()} for layer in layers], cpu_dot.pack(head))}
+    programs = {}
+    for r in rows:
+        x = jnp.asarray(rng.normal(size=(r, HIDDEN)), jnp.float32)
+        for dots, baked in weights.items():
+            program = cpu_options.compile_baked(dense_dots, baked, x)
+            jax.block_until_ready(program(x))
+            programs[f"{dots}, {r} rows"] = (program, (x,), None)
+    times = time_interleaved(programs, args.repeats)
+
+    table = {}
+    print("| rows | YNNPACK ms | x its 1 row | kernel ms | x its 1 row | kernel / YNNPACK |\n|---|---|---|---|---|---|")
+    for r in rows:
+        ms = {dots: 1e3 * statistics.median(times[f"{dots}, {r} rows"]) for dots in weights}
+        one = {dots: 1e3 * statistics.median(times[f"{dots}, 1 rows"]) for dots in weights}
+        table[r] = dict(ynn_ms=ms["ynn"], kernel_ms=ms["kernel"], ynn_x_1_row=ms["ynn"] / one["ynn"],
+                        kernel_x_1_row=ms["kernel"] / one["kernel"])
+        print(f"| {r} | {ms['ynn']:.1f} | {ms['ynn'] / one['ynn']:.2f}x | {ms['kernel']:.1f} | "
+              f"{ms['kernel'] / one['kernel']:.2f}x | {ms['kernel'] / ms['ynn']:.2f} |")
+    payload = dict(machine=machine(), kernel=cpu_dot.status(), repeats=args.repeats, rows=table,
+                   times_s=times)
+    pathlib.Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
