@@ -4,10 +4,11 @@
 //
 // A panel is read from memory once for up to 12 rows, in blocks of 64 panel rows that groups of up to 6 rows
 // (AVX-512; 3 with AVX2) take in turn from L1, so 5 or 9 rows cost little more than one: the weights are read
-// once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.  Every output element is the sum over k in order, one FMA per term,
-// whatever M is and whichever rows share a call: a row's result never depends on the other rows (tests check it
-// bit for bit), so a verify of N rows computes what N one-row steps would.  Columns are split across XLA's
-// intra-op thread pool; the calling thread takes work too and waits only for chunks that are running.
+// once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.
+// Every output element is the sum over k in order, one FMA per term, whatever M is and whichever rows share a
+// call: a row's result never depends on the other rows (tests check it bit for bit), so a verify of N rows
+// computes what N one-row steps would.  Columns are split across XLA's intra-op thread pool; the calling thread
+// takes work too and waits only for chunks that are running.
 
 #include <immintrin.h>
 #include <algorithm>
