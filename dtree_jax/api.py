@@ -79,7 +79,9 @@ def generate(
                  cache_len=cache_len, mesh=mesh, draft_vocab=draft_vocabulary(target, drafter, draft_vocab, mesh))
     auto = None
     if budget == "auto":
-        method, budget, auto = choose_auto(target, drafter, method, calibration, knobs, (*req.inputs, req.temperature))
+        method, budget, auto, cpu_kernel = choose_auto(target, drafter, method, calibration, knobs,
+                                                       (*req.inputs, req.temperature))
+        knobs["cpu_kernel"] = cpu_kernel
     spec = make_spec(target, drafter, method, budget=budget, stream=stream is not None, **knobs)
     check_memory(spec, target, drafter, len(req.prompts), prompt_bucket=req.prompt_bucket)
     dparams = drafter.params if spec.record.drafts else None

@@ -301,7 +301,8 @@ def add_generate(sub) -> None:
     p.add_argument("--budget", type=_budget_arg, default=None,
                    help="non-root tree nodes (tree methods), or 'auto': the budget (or plain ar) with the most "
                         "tokens/s from the drafter's calibration.json (tau per budget) and this machine's seconds per "
-                        "round (measured on the first run here, then cached) (default: auto with a drafter)")
+                        "round (measured on the first run here, then cached; on a CPU also which dots, the few-row "
+                        "kernel or XLA's) (default: auto with a drafter)")
     p.add_argument("--node-topk", type=int, default=8, help="children per tree node (k)")
     p.add_argument("--corr-topm", type=int, default=None,
                    help="Domino candidate width M (0 = full vocabulary; default: full for domino, 64 for "

@@ -111,15 +111,16 @@ def pack_dense(tree):
     return dataclasses.replace(tree, **changes)
 
 
-def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None, bake: Callable | None = None) -> Callable:
+def compile_here(fn: Callable, static, weights: tuple, *inputs, mesh=None, bake: Callable | None = None,
+                 kernel: bool = True) -> Callable:
     """``fn(static, *weights, *inputs)`` compiled for this backend as generations compile: the weights baked in
-    where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values; their dense
-    weights packed for ``cpu_dot`` where it is available), else every array an argument.  Returns
-    ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it answers for its own, so
-    callers key it by their identity)."""
+    where ``bakes_weights`` says so (``bake(*weights)`` when given: the weights as baked, same values; with
+    ``kernel``, their dense weights packed for ``cpu_dot`` where it is available), else every array an argument.
+    Returns ``run(*weights, *inputs)``; a baked program ignores the weights it is given (it answers for its own,
+    so callers key it by their identity)."""
     if bakes_weights(mesh, *weights):
         baked = weights if bake is None else bake(*weights)
-        if cpu_dot.available():
+        if kernel and cpu_dot.available():
             baked = pack_dense(baked)
         program = compile_baked(functools.partial(fn, static), baked, *inputs)
         return lambda *args: program(*args[len(weights):])

@@ -54,6 +54,7 @@ class Spec:
     mesh: Any = None  # a jax.sharding.Mesh (axes "data", "model"): state constrained to its leaves' declared axes
     stream: bool = False  # hand every round's committed tokens to the host as they are committed (``streaming``)
     draft_vocab: Any = None  # a ``drafter.DraftVocab`` for programs with baked weights (``unshared_heads``); None: all
+    cpu_kernel: bool = True  # baked CPU programs: dense dots on ``cpu_dot``'s kernel (where it builds), else XLA's
 
     @property
     def record(self) -> builders.Method:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax import builders, checkpoint_files, cpu_options, loop, round_costs
+from dtree_jax import builders, checkpoint_files, cpu_dot, cpu_options, loop, round_costs
 from dtree_jax.cost import auto_budget, choose_budget, load_calibration, parse_taus
 from dtree_jax.loading import Model
 from dtree_jax.models import sharding
@@ -177,9 +177,12 @@ def make_spec(
     mesh: jax.sharding.Mesh | None = None,
     stream: bool = False,
     draft_vocab: DraftVocab | None = None,
+    cpu_kernel: bool = True,
 ) -> loop.Spec:
     """Validates the knobs and returns the static description of a generation (on ``mesh``, if given);
-    ``draft_vocab`` (``draft_vocabulary``) is kept only for methods that draft."""
+    ``draft_vocab`` (``draft_vocabulary``) is kept only for methods that draft.  ``cpu_kernel``: where the
+    program bakes its weights in on the CPU, its dense dots run ``cpu_dot``'s few-row kernel (where it builds
+    here); False keeps XLA's dots (``choose_auto`` picks it where measured faster)."""
     record = builders.get_method(method)
     if record.drafts:
         _check_drafter(record, target, drafter)
@@ -214,6 +217,7 @@ def make_spec(
         mesh=mesh,
         stream=stream,
         draft_vocab=draft_vocab if record.drafts else None,
+        cpu_kernel=bool(cpu_kernel),
     )
     need = prompt_bucket + max_new_tokens + spec.draft_span
     if cache_len is None:
@@ -224,37 +228,53 @@ def make_spec(
 
 
 def choose_auto(target: Model, drafter: Model | None, method: str, calibration, knobs: dict,
-                inputs: tuple) -> tuple[str, int, str]:
-    """``budget="auto"``: ``(method, budget, why)``.  Tau per budget comes from the calibration (``calibration``,
-    else the drafter's ``calibration.json``); seconds per round from ``calibration["round_seconds"]`` when the
-    caller passed a calibration holding them, else measured on this machine at this batch and cached
-    (``round_costs``).  Budget 0 is plain ar: where no tree pays for itself here, ar runs."""
+                inputs: tuple) -> tuple[str, int, str, bool]:
+    """``budget="auto"``: ``(method, budget, why, cpu_kernel)``.  Tau per budget comes from the calibration
+    (``calibration``, else the drafter's ``calibration.json``); seconds per round from
+    ``calibration["round_seconds"]`` when the caller passed a calibration holding them, else measured on this
+    machine at this batch and cached (``round_costs``).  Budget 0 is plain ar: where no tree pays for itself
+    here, ar runs.  Where the weights are baked in and ``cpu_dot``'s kernel builds here, the rounds are measured
+    with it and with XLA's dots, and ``cpu_kernel`` says which gave the most tokens/s (``make_spec``)."""
     record = builders.get_method(method)
     if not record.tree:
-        return method, 1, f"budget auto: {method} drafts a chain, no budget to choose"
+        return method, 1, f"budget auto: {method} drafts a chain, no budget to choose", True
     cal = load_calibration(calibration, drafter and drafter.path)
     batch = int(inputs[0].shape[0])
+    kernel = True
     if calibration is not None and isinstance(cal, dict) and "round_seconds" in cal:
         budget = auto_budget(cal, batch)
         why = "from the given calibration's round_seconds"
     else:
         taus = parse_taus(cal)
-        specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1), **knobs)
-                 for b in taus}
         from dtree_jax.convert import cache_dir
 
         dparams = drafter.params if drafter is not None else None
-        with sharding.mesh_context(knobs.get("mesh")):
-            seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus, cache_dir())
-        budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
+        both = cpu_options.bakes_weights(knobs.get("mesh"), target.params, dparams) and cpu_dot.available()
+        options = {}  # cpu_kernel -> (tokens/s, budget, seconds per round by budget, where they came from)
+        for kernel in (True, False) if both else (True,):
+            specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1),
+                                  cpu_kernel=kernel, **knobs) for b in taus}
+            with sharding.mesh_context(knobs.get("mesh")):
+                label = (", few-row kernel" if kernel else ", XLA's dots") if both else ""
+                seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus,
+                                                                cache_dir(), label)
+            budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
+            options[kernel] = (batch * taus[budget] / seconds[budget], budget, seconds, source)
+        kernel = max(options, key=lambda k: options[k][0])  # a tie keeps the kernel
+        _, budget, seconds, source = options[kernel]
         rate = lambda b: batch * taus[b] / seconds[b]  # noqa: E731
         why = (f"expected {rate(budget):.1f} tok/s (tau {taus[budget]:.2f}, {seconds[budget] * 1e3:.0f} ms a round) vs "
                f"ar {rate(0):.1f} tok/s ({seconds[0] * 1e3:.0f} ms), "
                + ", ".join(f"budget {b} {rate(b):.1f}" for b in sorted(seconds) if b not in (0, budget))
                + f"; round costs {'measured now on this machine' if source == 'measured now' else 'of this machine from ' + source}")
+        if both:
+            names = {True: "the few-row kernel", False: "XLA's dots"}
+            other_rate, other_budget = options[not kernel][:2]
+            other = f"budget {other_budget}" if other_budget else "ar"
+            why += f"; dots: {names[kernel]}, where {names[not kernel]} gave {other_rate:.1f} tok/s ({other})"
     if budget == 0:
-        return "ar", 1, f"budget auto: plain ar at batch {batch}, no tree pays for itself here; {why}"
-    return method, budget, f"budget auto: {method} budget {budget} at batch {batch}; {why}"
+        return "ar", 1, f"budget auto: plain ar at batch {batch}, no tree pays for itself here; {why}", kernel
+    return method, budget, f"budget auto: {method} budget {budget} at batch {batch}; {why}", kernel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Seconds per round on this machine, measured the first time a pair runs here and cached (``budget="auto"``).
 
 A drafter's ``calibration.json`` carries tau per budget: a property of the drafter and its target.  What a
-round costs belongs to the machine, its jax and the program (weights baked in or not, ``cpu_options``), so
-``budget="auto"`` measures it here: plain ``ar`` (budget 0) and a round of the method at each candidate budget,
-at the request's batch, compiled as the generation compiles them, each tree round timed in pairs with an ar
-step (``measure``).  The result is cached under ``<cache>/round-costs/`` (``convert.cache_dir()``) by machine,
-jax version, program and batch, so later runs decide at once.  The context length is not part of the key: at these lengths a round's cost is
-the weights' read, and the first request's shapes are the ones measured (recorded in the file).
+round costs belongs to the machine, its jax and the program (weights baked in or not, which dots:
+``cpu_options``), so ``budget="auto"`` measures it here: plain ``ar`` (budget 0) and a round of the method at
+each candidate budget, at the request's batch, compiled as the generation compiles them, each tree round timed
+in pairs with an ar step (``measure``).  The result is cached under ``<cache>/round-costs/``
+(``convert.cache_dir()``) by machine, jax version, program and batch, so later runs decide at once.  The context
+length is not part of the key: at these lengths a round's cost is the weights' read, and the first request's
+shapes are the ones measured (recorded in the file).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def program_key(spec: loop.Spec, batch: int, baked: bool) -> dict:
     name = lambda impl: getattr(impl, "__name__", type(impl).__name__)  # noqa: E731
     fields = dataclasses.replace(spec, target=name(spec.target), drafter=name(spec.drafter), max_new_tokens=0,
                                  cache_len=0, stop_ids=(), budget=0, stream=False, mesh=None)
-    dots = cpu_dot.status() if baked else "xla"  # the few-row kernel (its build) or XLA's dots
+    dots = cpu_dot.status() if baked and spec.cpu_kernel else "xla"  # the few-row kernel (its build), or XLA's
     return dict(spec=repr(fields), batch=batch, baked=baked, dots=dots, mesh=repr(spec.mesh), timing=TIMING)
 
 
@@ -67,21 +68,21 @@ def round_program(spec: loop.Spec, tparams, dparams, inputs: tuple) -> Callable[
     dp = dparams if spec.record.drafts else None
     state = loop.prefill_on_device(spec, tparams, dp, *inputs)
     program = cpu_options.compile_here(loop.decode_round, spec, (tparams, dp), inputs[-1], state, mesh=spec.mesh,
-                                       bake=functools.partial(loop.unshared_heads, spec))
+                                       bake=functools.partial(loop.unshared_heads, spec), kernel=spec.cpu_kernel)
     run = lambda: jax.block_until_ready(program(tparams, dp, inputs[-1], state))  # noqa: E731
     run()
     return run
 
 
 def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
-            repeats: int = REPEATS, log=sys.stderr) -> dict[int, float]:
+            repeats: int = REPEATS, log=sys.stderr, label: str = "") -> dict[int, float]:
     """Median seconds of one round per budget (``specs[0]`` is plain ar), from the state after prefilling
     ``inputs`` (prompts, lengths, keys, temperature).  Each tree round is timed in pairs with an ar step (ar,
     tree, ar, tree, ...), and its seconds are the median ratio of the pairs times the median of every ar step:
     other work on the machine while one budget is timed slows both sides of its pairs, not that budget alone.
     Tree budgets are measured in increasing order, and measuring stops at the first one whose expected rate
     ``tau / seconds`` falls below the previous tree's (a wider tree costs more a round and gains less tau each
-    step); plain ar does not stop it."""
+    step); plain ar does not stop it.  ``label`` names what is measured in the progress line."""
 
     def timed(run) -> float:
         t0 = clock()
@@ -92,7 +93,7 @@ def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: 
     ar_times, ratios, best = [], {}, 0.0
     for i, budget in enumerate(budgets):
         if log is not None:
-            print(f"\rbudget auto: measuring this machine's round costs (once): budget {budget} "
+            print(f"\rbudget auto: measuring this machine's round costs (once){label}: budget {budget} "
                   f"({i + 1}/{len(specs)})", end="", file=log, flush=True)
         run = round_program(specs[budget], tparams, dparams, inputs)
         if budget == 0:
@@ -106,13 +107,13 @@ def measure(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: 
             break
         best = rate
     if log is not None:
-        print("\r" + " " * 90 + "\r", end="", file=log, flush=True)
+        print("\r" + " " * 100 + "\r", end="", file=log, flush=True)
     ar_seconds = statistics.median(ar_times)
     return {0: ar_seconds, **{b: r * ar_seconds for b, r in ratios.items()}}
 
 
 def seconds_per_round(specs: dict[int, loop.Spec], tparams, dparams, inputs: tuple, taus: dict[int, float],
-                      cache: Path | None) -> tuple[dict[int, float], str]:
+                      cache: Path | None, label: str = "") -> tuple[dict[int, float], str]:
     """``measure``'s result for this machine and program, from the cache when measured before; with where
     it came from ("measured now" or the cache file)."""
     batch = int(inputs[0].shape[0])
@@ -124,7 +125,7 @@ def seconds_per_round(specs: dict[int, loop.Spec], tparams, dparams, inputs: tup
             return {int(b): float(s) for b, s in json.loads(file.read_text())["seconds"].items()}, str(file)
         except (ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged entry is measured again and replaced
-    seconds = measure(specs, tparams, dparams, inputs, taus)
+    seconds = measure(specs, tparams, dparams, inputs, taus, label=label)
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         payload = dict(key, seconds=seconds, cache_len=specs[max(specs)].cache_len, measured=time.time())

@@ -110,7 +110,7 @@ def _compiled(args):
     t0 = time.perf_counter()
     with sharding.mesh_context(spec.mesh):
         run = cpu_options.compile_here(loop.generate_loop, spec, (tparams, dparams), *rest, mesh=spec.mesh,
-                                       bake=functools.partial(loop.unshared_heads, spec))
+                                       bake=functools.partial(loop.unshared_heads, spec), kernel=spec.cpu_kernel)
     COMPILED[key] = (run, tparams, dparams, _baked_bytes(baked, tparams, dparams))
     _compiled_count += 1
     _evict()

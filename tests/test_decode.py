@@ -256,7 +256,7 @@ def test_generate_auto_budget_uses_the_calibration(models):
 def test_auto_budget_measures_this_machine_once(models, tmp_path, monkeypatch):
     """Tau from the calibration, seconds per round measured here (plain ar and each budget), cached by machine and
     program: the second run reads the cache; made-up costs steer the choice, ar included."""
-    from dtree_jax import round_costs
+    from dtree_jax import cpu_dot, round_costs
 
     _, target, draft = models
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
@@ -265,23 +265,60 @@ def test_auto_budget_measures_this_machine_once(models, tmp_path, monkeypatch):
     real = round_costs.measure
     monkeypatch.setattr(round_costs, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
     first = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
-    (entry,) = (tmp_path / "round-costs").iterdir()
-    seconds = json.loads(entry.read_text())["seconds"]
-    assert measured == [1] and "0" in seconds and all(s > 0 for s in seconds.values())
+    # Where the few-row kernel builds, the rounds are measured with it and with XLA's dots: an entry each.
+    entries = {json.loads(e.read_text())["program"]["dots"] == "xla": e
+               for e in (tmp_path / "round-costs").iterdir()}
+    runs = len(entries)
+    assert sorted(entries) == ([False, True] if cpu_dot.available() else [True]) and measured == [1] * runs
+    for entry in entries.values():
+        seconds = json.loads(entry.read_text())["seconds"]
+        assert "0" in seconds and all(s > 0 for s in seconds.values())
     assert first.auto.startswith("budget auto: ") and "measured now on this machine" in first.auto
     second = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
-    assert measured == [1] and str(entry) in second.auto
+    assert measured == [1] * runs and any(str(e) in second.auto for e in entries.values())
     assert second.stats[0]["method"] == first.stats[0]["method"]
-    # Made-up costs: a tree that pays, then one that does not (ar runs, token for token ar's output).
+    # Made-up costs (the same for both dots): a tree that pays, then one that does not (ar runs, token for token
+    # ar's output).
     for costs, method, budget in (({0: 1.0, 2: 1.0, 6: 1.2}, "dominotree", 6), ({0: 0.5, 2: 1.0, 6: 1.5}, "ar", None)):
-        entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
+        for entry in entries.values():
+            entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
         got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
         assert (got.stats[0]["method"], got.stats[0]["budget"]) == (method, budget), got.auto
     assert got.tokens == generate(target, PROMPTS[:1], "ar", max_new_tokens=6).tokens
     # A damaged cache entry is measured again.
-    entry.write_text("{broken")
+    entries[False].write_text("{broken")
     generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
-    assert measured == [1, 1] and json.loads(entry.read_text())["seconds"]
+    assert measured == [1] * (runs + 1) and json.loads(entries[False].read_text())["seconds"]
+
+
+def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, monkeypatch):
+    """Where XLA's dots give more tokens/s than the few-row kernel (made-up costs in the cache), ``auto`` compiles
+    the generation without packing its weights for the kernel, says so, and the output is still ar's; where the
+    kernel is faster, the generation packs them."""
+    from dtree_jax import cpu_dot, cpu_options
+
+    if not cpu_dot.available():
+        pytest.skip(f"the few-row kernel does not build here: {cpu_dot.status()}")
+    _, target, draft = models
+    monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
+    cal = dict(tau_by_budget={2: 1.5, 6: 2.5})
+    generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)  # measures
+    entries = {json.loads(e.read_text())["program"]["dots"] == "xla": e
+               for e in (tmp_path / "round-costs").iterdir()}
+    packed = []
+    real = cpu_options.pack_dense
+    monkeypatch.setattr(cpu_options, "pack_dense", lambda tree: packed.append(1) or real(tree))
+    ar = generate(target, PROMPTS[:1], "ar", max_new_tokens=7).tokens
+    for xla_faster in (True, False):
+        slow, fast = {0: 2.0, 2: 2.0, 6: 2.4}, {0: 1.0, 2: 1.0, 6: 1.2}
+        for is_xla, entry in entries.items():
+            costs = fast if is_xla == xla_faster else slow
+            entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
+        packed.clear()
+        got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=7)
+        assert got.stats[0]["budget"] == 6 and got.tokens == ar
+        assert ("dots: XLA's dots, where the few-row kernel gave" in got.auto) == xla_faster, got.auto
+        assert bool(packed) != xla_faster  # the kernel's programs pack their weights; XLA's never do
 
 
 def test_round_costs_time_each_tree_in_pairs_with_ar(monkeypatch):
