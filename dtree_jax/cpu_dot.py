@@ -1,5 +1,5 @@
-"""A few-row fp32 dot for XLA:CPU: ``x [..., K] @ w [K, N]`` with ``w`` packed into 64-column panels
-(``PackedWeight``), run by ``cpu_dot.cc`` through XLA's FFI.
+"""A few-row fp32 dot for XLA:CPU: ``x [..., K] @ w [K, N]`` with ``w`` (fp32, or bf16 held as fp32) packed into
+64-column panels (``PackedWeight``), run by ``cpu_dot.cc`` through XLA's FFI.
 
 XLA:CPU's dots (YNNPACK, with the weights baked in) cost 1.4x one row at 5 rows and 1.9x at 9 on our Intel hosts,
 so a 5-node verify cost 1.3-1.4x an ``ar`` step there.  This kernel reads each weight panel from memory once for
@@ -39,11 +39,13 @@ NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight ``[K, N]`` fp32 as panels ``[ceil(N / 64), K, 64]`` (zero columns past N); ``x @ packed`` runs
-    the kernel (Python falls back to ``__rmatmul__`` because JAX arrays decline unknown operands)."""
+    """A weight ``[K, N]`` (fp32 or bf16) as fp32 panels ``[ceil(N / 64), K, 64]`` (zero columns past N);
+    ``x @ packed`` runs the kernel and gives what ``x @ w`` would: fp32 sums, in ``x @ w``'s dtype (Python falls
+    back to ``__rmatmul__`` because JAX arrays decline unknown operands)."""
 
     panels: jax.Array  # [P, K, 64] fp32
     cols: int  # N
+    weight_dtype: str = "float32"  # the weight's own dtype (a bf16 weight's values are exact in fp32)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,25 +53,25 @@ class PackedWeight:
 
     @property
     def dtype(self):
-        return self.panels.dtype
+        return jnp.dtype(self.weight_dtype)
 
-    def __rmatmul__(self, x: jax.Array) -> jax.Array:  # [..., K] -> [..., N] fp32
-        return fewrow_dot(x, self)
-
-
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=["cols"])
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:  # [..., K] -> [..., N] in x @ w's dtype
+        return fewrow_dot(x, self).astype(jnp.result_type(x.dtype, self.dtype))
 
 
-def pack(w: jax.Array) -> PackedWeight:  # [K, N] -> panels [P, K, 64]
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=["cols", "weight_dtype"])
+
+
+def pack(w: jax.Array) -> PackedWeight:  # [K, N] fp32 or bf16 -> fp32 panels [P, K, 64]
     k, n = w.shape
     p = -(-n // PANEL)
     panels = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, p * PANEL - n)))
-    return PackedWeight(panels.reshape(k, p, PANEL).transpose(1, 0, 2), n)
+    return PackedWeight(panels.reshape(k, p, PANEL).transpose(1, 0, 2), n, jnp.dtype(w.dtype).name)
 
 
-def unpack(w: PackedWeight) -> jax.Array:  # -> [K, N]
+def unpack(w: PackedWeight) -> jax.Array:  # -> [K, N] in the weight's dtype
     p, k, _ = w.panels.shape
-    return w.panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : w.cols]
+    return w.panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : w.cols].astype(w.dtype)
 
 
 def fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
@@ -83,13 +85,13 @@ def fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [...,
 
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
     """Pure-jnp ``fewrow_dot`` (the same product, XLA's summation order)."""
-    return jnp.matmul(x.astype(jnp.float32), unpack(w), precision=jax.lax.Precision.HIGHEST)
+    return jnp.matmul(x.astype(jnp.float32), unpack(w).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def matmul_fp32(x: jax.Array, w) -> jax.Array:  # [..., K] @ [K, N] -> [..., N] fp32
     """``x @ w`` with fp32 results: the kernel for a ``PackedWeight``, else a dot accumulating in fp32."""
     if isinstance(w, PackedWeight):
-        return x @ w
+        return fewrow_dot(x, w)
     return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
 
 

@@ -87,11 +87,11 @@ def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = No
 
 
 def _packable(w) -> bool:
-    return isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32
+    return isinstance(w, jax.Array) and w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16)
 
 
 def pack_dense(tree):
-    """``tree`` (params: dataclasses, tuples, lists) with every fp32 2-D weight in ``DENSE_FIELDS`` as a
+    """``tree`` (params: dataclasses, tuples, lists) with every fp32 or bf16 2-D weight in ``DENSE_FIELDS`` as a
     ``cpu_dot.PackedWeight``, and a tied output head as a packed copy of the embedding table's transpose (the
     table itself stays for the lookups).  Other fields, and params of other classes, are left as they are."""
     if isinstance(tree, (tuple, list)):

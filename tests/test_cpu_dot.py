@@ -94,9 +94,18 @@ def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
     assert isinstance(tied.lm_head, cpu_dot.PackedWeight) and tied.lm_head.shape == target.params.embed.T.shape
     np.testing.assert_allclose(decoder.lm_head(tied, target.cfg, x),
                                jnp.einsum("...h,vh->...v", x, target.params.embed), rtol=1e-5, atol=1e-5)
+    # bf16 weights are packed too (their values exact in fp32): x @ w keeps its dtype, the sums are fp32's.
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), target.params)
-    assert not any(isinstance(leaf, cpu_dot.PackedWeight) for leaf in jax.tree.leaves(
-        cpu_options.pack_dense(bf16), is_leaf=lambda a: isinstance(a, cpu_dot.PackedWeight)))  # fp32 only
+    packed16 = cpu_options.pack_dense(bf16).layers[0].wq
+    assert isinstance(packed16, cpu_dot.PackedWeight) and packed16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(cpu_dot.unpack(packed16), bf16.layers[0].wq)
+    x16 = x.astype(jnp.bfloat16)
+    got = jax.jit(lambda a: a @ packed16)(x16)
+    want = jnp.matmul(x16.astype(jnp.float32), bf16.layers[0].wq.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    assert got.dtype == (x16 @ bf16.layers[0].wq).dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.bfloat16).astype(jnp.float32), rtol=1e-2, atol=1e-3)
+    assert (x @ packed16).dtype == jnp.float32  # an fp32 input: fp32, as x @ w
 
 
 def _assert_baked_equals_arguments(target, draft, method, monkeypatch):
