@@ -254,8 +254,8 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
         for kernel in (True, False) if both else (True,):
             specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1),
                                   cpu_kernel=kernel, **knobs) for b in taus}
+            label = (", few-row kernel" if kernel else ", XLA's dots") if both else ""
             with sharding.mesh_context(knobs.get("mesh")):
-                label = (", few-row kernel" if kernel else ", XLA's dots") if both else ""
                 seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus,
                                                                 cache_dir(), label)
             budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
