@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence
 
-from dtree_jax import builders, loop
+from dtree_jax import builders, cpu_dot, cpu_options, loop
 from dtree_jax.loading import Model, cpu_layout, eos_ids, load_model, load_pair, model_for_mesh, with_kernels
 from dtree_jax.models import sharding
 from dtree_jax.planning import (
+    CPU_DOTS,
     check_fit,
     check_memory,
     check_token_ids,
@@ -46,6 +47,7 @@ def generate(
     instrument: bool = False, calibration: dict | str | None = None, attention_impl: str | None = None,
     kernel_platform: str | None = None, chat: bool = False, mesh=None,
     stream: Callable[[list[list[int]]], None] | None = None, draft_vocab: str | Sequence[int] | None = "auto",
+    cpu_dots: str = "auto",
 ) -> Generation:
     """Generates continuations of ``prompts`` with ``method`` on device.
 
@@ -67,7 +69,12 @@ def generate(
     token ids (``[]`` for a request that committed none); the returned ``tokens`` are the same.  ``draft_vocab``:
     the tokens the drafter may propose (``planning.draft_vocabulary``: "auto" uses the drafter's
     ``draft_vocab.json`` where the weights are baked in, None every token); the drafts change, the output does not.
+    ``cpu_dots``: the dense dots of CPU programs that bake their weights in: "kernel" (``cpu_dot``'s few-row
+    kernel, where it builds), "xla" (XLA's), or "auto" (the kernel; with ``budget="auto"``, whichever gave more
+    tokens/s here).  The result's ``cpu_dots`` says which ran, its ``ar_cpu_dots`` which a fair ar baseline runs.
     """
+    if cpu_dots not in CPU_DOTS:
+        raise ValueError(f"cpu_dots must be one of {', '.join(CPU_DOTS)}, got {cpu_dots!r}")
     mesh = sharding.as_mesh(mesh)
     if stream is not None and (mesh is not None or not callable(stream)):
         raise ValueError("stream must be a callable, and streaming runs on one device (mesh=None)")
@@ -77,12 +84,12 @@ def generate(
     knobs = dict(node_topk=node_topk, corr_topm=corr_topm, max_depth=max_depth, max_new_tokens=max_new_tokens,
                  prompt_bucket=req.prompt_bucket, stop_ids=req.stop_ids, top_k=top_k, top_p=top_p,
                  cache_len=cache_len, mesh=mesh, draft_vocab=draft_vocabulary(target, drafter, draft_vocab, mesh))
-    auto = None
+    auto, kernel = None, cpu_dots != "xla"
+    ar_kernel = kernel
     if budget == "auto":
-        method, budget, auto, cpu_kernel = choose_auto(target, drafter, method, calibration, knobs,
-                                                       (*req.inputs, req.temperature))
-        knobs["cpu_kernel"] = cpu_kernel
-    spec = make_spec(target, drafter, method, budget=budget, stream=stream is not None, **knobs)
+        choice = choose_auto(target, drafter, method, calibration, knobs, (*req.inputs, req.temperature), cpu_dots)
+        method, budget, auto, kernel, ar_kernel = choice
+    spec = make_spec(target, drafter, method, budget=budget, stream=stream is not None, cpu_kernel=kernel, **knobs)
     check_memory(spec, target, drafter, len(req.prompts), prompt_bucket=req.prompt_bucket)
     dparams = drafter.params if spec.record.drafts else None
     args = (spec, target.params, dparams, *req.inputs, req.temperature)
@@ -95,10 +102,13 @@ def generate(
         from dtree_jax.text import load_tokenizer
 
         texts = [load_tokenizer(target.path).decode(t) for t in tokens]
-    return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts, auto)
+    dots = lambda kernel, *params: (  # noqa: E731
+        "kernel" if kernel and cpu_dot.available() and cpu_options.bakes_weights(mesh, *params) else "xla")
+    return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts, auto,
+                      dots(spec.cpu_kernel, target.params, dparams), dots(ar_kernel, target.params))
 
 
-__all__ = ["METHODS", "Generation", "Model", "abstract_generation", "check_fit", "check_memory", "check_token_ids",
+__all__ = ["CPU_DOTS", "METHODS", "Generation", "Model", "abstract_generation", "check_fit", "check_memory", "check_token_ids",
            "choose_auto", "compilations", "cpu_layout", "device_memory_bytes", "draft_vocabulary", "eos_ids",
            "generate", "load_model", "make_spec", "memory_estimate", "model_for_mesh", "request_keys",
            "trace_generation", "with_kernels"]

@@ -149,6 +149,7 @@ def _print_result(args, prompts, chat: bool, result, baseline, timings, tokenize
             extra = {} if speedup is None else dict(speedup_spread=speedup[1:], timing=timings,
                                                     same_output_as_ar=baseline.tokens[i] == toks)
             print(json.dumps(dict(prompt=prompts[i], tokens=toks, text=text, auto=result.auto,
+                                  cpu_dots=result.cpu_dots, ar_cpu_dots=result.ar_cpu_dots,
                                   speedup_vs_ar=None if speedup is None else speedup[0], **st, **extra)))
             continue
         if not streamed:
@@ -220,17 +221,19 @@ def run_generate(args) -> int:
         prompt = _prompt_text(prompts[0], tokenizer)
         stream = StreamPrinter(tokenizer, f">>> {prompt}\n\n" if chat else prompt)
     result = api.generate(target, prompts, args.method, drafter, budget=budget, node_topk=args.node_topk,
-                          corr_topm=args.corr_topm, stream=stream, **knobs)
+                          corr_topm=args.corr_topm, stream=stream, cpu_dots=args.cpu_dots, **knobs)
     if streamed:
         print(flush=True)
     compare = (main_pair if args.compare_ar is None else args.compare_ar) and drafter is not None
     baseline = timings = None
     if compare:
+        # The timed runs: the method and dots that ran, against ar on the dots of its fastest step here.
         chosen = dict(method=result.stats[0]["method"], drafter=drafter, budget=result.stats[0]["budget"] or 1,
-                      node_topk=args.node_topk, corr_topm=args.corr_topm)
+                      node_topk=args.node_topk, corr_topm=args.corr_topm, cpu_dots=result.cpu_dots)
         if stream is not None:  # time the program that streamed (a sink that prints nothing): no second compile
             chosen["stream"] = lambda new_ids: None
-        run = lambda who: api.generate(target, prompts, **(dict(method="ar") if who == "ar" else chosen), **knobs)  # noqa: E731
+        ar = dict(method="ar", cpu_dots=result.ar_cpu_dots)
+        run = lambda who: api.generate(target, prompts, **(ar if who == "ar" else chosen), **knobs)  # noqa: E731
         baseline, timings = _interleaved(run, args.timing_pairs, quiet=args.json)
     if jax.process_index() == 0:
         _print_result(args, prompts, chat, result, baseline, timings, tokenizer, streamed)
@@ -303,6 +306,10 @@ def add_generate(sub) -> None:
                         "tokens/s from the drafter's calibration.json (tau per budget) and this machine's seconds per "
                         "round (measured on the first run here, then cached; on a CPU also which dots, the few-row "
                         "kernel or XLA's) (default: auto with a drafter)")
+    p.add_argument("--cpu-dots", choices=("auto", "kernel", "xla"), default="auto",
+                   help="dense dots of CPU programs that bake their weights in: kernel = the few-row kernel (where "
+                        "it builds), xla = XLA's, auto = the kernel, or with --budget auto whichever measured faster "
+                        "here (the ar baseline then runs the dots of ar's fastest step)")
     p.add_argument("--node-topk", type=int, default=8, help="children per tree node (k)")
     p.add_argument("--corr-topm", type=int, default=None,
                    help="Domino candidate width M (0 = full vocabulary; default: full for domino, 64 for "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -227,20 +227,34 @@ def make_spec(
     return dataclasses.replace(spec, cache_len=cache_len)
 
 
+CPU_DOTS = ("auto", "kernel", "xla")  # ``generate(cpu_dots=)``: which dense dots baked CPU programs run
+
+
+class AutoChoice(NamedTuple):
+    """What ``budget="auto"`` chose (``choose_auto``)."""
+
+    method: str  # "ar" where no tree pays for itself here
+    budget: int
+    why: str  # one line
+    cpu_kernel: bool  # the dots of the choice (``make_spec``)
+    ar_cpu_kernel: bool  # the dots of the fastest plain-ar step measured here: a fair ar baseline runs them
+
+
 def choose_auto(target: Model, drafter: Model | None, method: str, calibration, knobs: dict,
-                inputs: tuple) -> tuple[str, int, str, bool]:
-    """``budget="auto"``: ``(method, budget, why, cpu_kernel)``.  Tau per budget comes from the calibration
-    (``calibration``, else the drafter's ``calibration.json``); seconds per round from
-    ``calibration["round_seconds"]`` when the caller passed a calibration holding them, else measured on this
-    machine at this batch and cached (``round_costs``).  Budget 0 is plain ar: where no tree pays for itself
-    here, ar runs.  Where the weights are baked in and ``cpu_dot``'s kernel builds here, the rounds are measured
-    with it and with XLA's dots, and ``cpu_kernel`` says which gave the most tokens/s (``make_spec``)."""
+                inputs: tuple, cpu_dots: str = "auto") -> AutoChoice:
+    """``budget="auto"``.  Tau per budget comes from the calibration (``calibration``, else the drafter's
+    ``calibration.json``); seconds per round from ``calibration["round_seconds"]`` when the caller passed a
+    calibration holding them, else measured on this machine at this batch and cached (``round_costs``).  Budget
+    0 is plain ar: where no tree pays for itself here, ar runs.  ``cpu_dots`` "auto": where the weights are baked
+    in and ``cpu_dot``'s kernel builds here, the rounds are measured with it and with XLA's dots, and the choice
+    takes the dots that gave the most tokens/s; "kernel" / "xla" measure those alone."""
     record = builders.get_method(method)
+    fixed = cpu_dots != "xla"  # the dots where nothing is measured or only one kind is
     if not record.tree:
-        return method, 1, f"budget auto: {method} drafts a chain, no budget to choose", True
+        return AutoChoice(method, 1, f"budget auto: {method} drafts a chain, no budget to choose", fixed, fixed)
     cal = load_calibration(calibration, drafter and drafter.path)
     batch = int(inputs[0].shape[0])
-    kernel = True
+    kernel = ar_kernel = fixed
     if calibration is not None and isinstance(cal, dict) and "round_seconds" in cal:
         budget = auto_budget(cal, batch)
         why = "from the given calibration's round_seconds"
@@ -249,9 +263,10 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
         from dtree_jax.convert import cache_dir
 
         dparams = drafter.params if drafter is not None else None
-        both = cpu_options.bakes_weights(knobs.get("mesh"), target.params, dparams) and cpu_dot.available()
+        both = (cpu_dots == "auto" and cpu_dot.available()
+                and cpu_options.bakes_weights(knobs.get("mesh"), target.params, dparams))
         options = {}  # cpu_kernel -> (tokens/s, budget, seconds per round by budget, where they came from)
-        for kernel in (True, False) if both else (True,):
+        for kernel in (True, False) if both else (fixed,):
             specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1),
                                   cpu_kernel=kernel, **knobs) for b in taus}
             label = (", few-row kernel" if kernel else ", XLA's dots") if both else ""
@@ -261,10 +276,12 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
             budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
             options[kernel] = (batch * taus[budget] / seconds[budget], budget, seconds, source)
         kernel = max(options, key=lambda k: options[k][0])  # a tie keeps the kernel
+        ar_kernel = min(options, key=lambda k: (options[k][2][0], not k))  # the fastest ar step (tie: the kernel)
         _, budget, seconds, source = options[kernel]
         rate = lambda b: batch * taus[b] / seconds[b]  # noqa: E731
+        ar_seconds = options[ar_kernel][2][0]
         why = (f"expected {rate(budget):.1f} tok/s (tau {taus[budget]:.2f}, {seconds[budget] * 1e3:.0f} ms a round) vs "
-               f"ar {rate(0):.1f} tok/s ({seconds[0] * 1e3:.0f} ms), "
+               f"ar {batch * taus[0] / ar_seconds:.1f} tok/s ({ar_seconds * 1e3:.0f} ms), "
                + ", ".join(f"budget {b} {rate(b):.1f}" for b in sorted(seconds) if b not in (0, budget))
                + f"; round costs {'measured now on this machine' if source == 'measured now' else 'of this machine from ' + source}")
         if both:
@@ -272,9 +289,13 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
             other_rate, other_budget = options[not kernel][:2]
             other = f"budget {other_budget}" if other_budget else "ar"
             why += f"; dots: {names[kernel]}, where {names[not kernel]} gave {other_rate:.1f} tok/s ({other})"
+            if ar_kernel != kernel:
+                why += f"; plain ar's step is faster with {names[ar_kernel]}"
     if budget == 0:
-        return "ar", 1, f"budget auto: plain ar at batch {batch}, no tree pays for itself here; {why}", kernel
-    return method, budget, f"budget auto: {method} budget {budget} at batch {batch}; {why}", kernel
+        return AutoChoice("ar", 1, f"budget auto: plain ar at batch {batch}, no tree pays for itself here; {why}",
+                          kernel, ar_kernel)
+    return AutoChoice(method, budget, f"budget auto: {method} budget {budget} at batch {batch}; {why}", kernel,
+                      ar_kernel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,8 @@ class Generation:
     round_trees: list[dict] | None = None
     texts: list[str] | None = None  # text prompts only: ``tokens`` decoded (special tokens skipped)
     auto: str | None = None  # budget="auto": what it chose and why, in one line
+    cpu_dots: str = "xla"  # the dense dots that ran: "kernel" (``cpu_dot``'s, baked CPU programs) or "xla"
+    ar_cpu_dots: str = "xla"  # those a fair plain-ar baseline runs here (budget="auto": its fastest measured step)
 
 
 def collect(state: loop.DecodeState, spec: loop.Spec, *, seconds: float) -> tuple[list[list[int]], list[dict]]:

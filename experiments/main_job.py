@@ -59,7 +59,8 @@ def main(argv=None) -> int:
                 low, high = row["speedup_spread"]
                 print(f"run {run}: {row['method']} budget {row['budget']}, tau {row['tau']:.2f}, "
                       f"{row['speedup_vs_ar']:.2f}x ar (spread {low:.2f}-{high:.2f}; "
-                      f"ar median {ar[len(ar) // 2]:.1f} tok/s), same output as ar: "
+                      f"ar median {ar[len(ar) // 2]:.1f} tok/s; dots {row['cpu_dots']}, ar's {row['ar_cpu_dots']}), "
+                      f"same output as ar: "
                       f"{'yes' if row['same_output_as_ar'] else 'NO'}, {wall:.0f} s wall | {row['auto']}", flush=True)
         os.environ.update(env)  # the machine record names the runs' backend (unprobed) and their dots
         from dtree_jax import cpu_dot

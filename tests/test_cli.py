@@ -3,6 +3,7 @@ answered with one line (``dtree-jax: error: ...``, exit 2), never a traceback.""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -30,6 +31,7 @@ def test_main_job_runs_from_another_directory():
     assert row["same_output_as_ar"] is True
     assert row["tau"] > 1.0  # the trained drafter gets drafts accepted on the default request
     assert row["auto"].startswith("budget auto: ") and "tok/s" in row["auto"]
+    assert row["cpu_dots"] in ("kernel", "xla") and row["ar_cpu_dots"] in ("kernel", "xla")
     timing = row["timing"]
     assert [len(timing[k]) for k in ("ar_seconds", "method_seconds", "ar_tokens_per_second")] == [2, 2, 2]
     ratios = [m[0] / a[0] for m, a in zip(timing["method_tokens_per_second"], timing["ar_tokens_per_second"])]
@@ -73,6 +75,29 @@ def test_careless_flags_give_one_line(args, message, capsys):
     assert main(["generate", "--target", target, "--drafter", drafter, "--no-compare-ar", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtree-jax: error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_timed_runs_use_the_dots_that_ran_and_ar_s_fastest(monkeypatch, capsys):
+    """The speedup printed times the method on the dots its generation ran and ar on the dots of ar's fastest
+    step (``Generation.cpu_dots`` / ``ar_cpu_dots``, set here as budget auto would set them on such a host)."""
+    from dtree_jax import api
+
+    target, drafter = (shipped(name) for name in SHIPPED_TINY)
+    calls, real = [], api.generate
+
+    def generate(*args, **kwargs):
+        calls.append((kwargs.get("method") or args[2], kwargs["cpu_dots"]))
+        result = real(*args, **kwargs)
+        return dataclasses.replace(result, cpu_dots="xla", ar_cpu_dots="kernel") if len(calls) == 1 else result
+
+    monkeypatch.setattr(api, "generate", generate)
+    assert main(["generate", "--target", target, "--drafter", drafter, "--budget", "4", "--max-new-tokens", "4",
+                 "--prompt-ids", "1,2,3", "--compare-ar", "--timing-pairs", "2", "--json"]) == 0
+    assert calls == [("dominotree", "auto")] + [("ar", "kernel")] + [("ar", "kernel"), ("dominotree", "xla")] * 2
+    assert json.loads(capsys.readouterr().out)["cpu_dots"] == "xla"
+    with pytest.raises(SystemExit):
+        main(["generate", "--cpu-dots", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
 
 
 def test_wrong_files_give_one_line(tmp_path, capsys):

@@ -309,16 +309,33 @@ def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, 
     real = cpu_options.pack_dense
     monkeypatch.setattr(cpu_options, "pack_dense", lambda tree: packed.append(1) or real(tree))
     ar = generate(target, PROMPTS[:1], "ar", max_new_tokens=7).tokens
-    for xla_faster in (True, False):
-        slow, fast = {0: 2.0, 2: 2.0, 6: 2.4}, {0: 1.0, 2: 1.0, 6: 1.2}
+    compiled = set()
+    slow, fast, fast_ar = {0: 2.0, 2: 2.0, 6: 2.4}, {0: 1.0, 2: 1.0, 6: 1.2}, {0: 1.0, 2: 2.0, 6: 2.4}
+    # (kernel's costs, XLA's costs, the dots chosen, plain ar's fastest): the last has the kernel's trees win
+    # while XLA's dots give the faster ar step, which the fair baseline then runs.
+    for kernel_costs, xla_costs, dots, ar_dots in ((slow, fast, "xla", "xla"), (fast, slow, "kernel", "kernel"),
+                                                   ({**fast, 0: 2.0}, fast_ar, "kernel", "xla")):
         for is_xla, entry in entries.items():
-            costs = fast if is_xla == xla_faster else slow
+            costs = xla_costs if is_xla else kernel_costs
             entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
         packed.clear()
         got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=7)
         assert got.stats[0]["budget"] == 6 and got.tokens == ar
-        assert ("dots: XLA's dots, where the few-row kernel gave" in got.auto) == xla_faster, got.auto
-        assert bool(packed) != xla_faster  # the kernel's programs pack their weights; XLA's never do
+        assert (got.cpu_dots, got.ar_cpu_dots) == (dots, ar_dots), got.auto
+        assert ("dots: XLA's dots, where the few-row kernel gave" in got.auto) == (dots == "xla"), got.auto
+        assert ("plain ar's step is faster with XLA's dots" in got.auto) == (dots != ar_dots), got.auto
+        # The kernel's programs pack their weights when compiled (once per process); XLA's never do.
+        assert bool(packed) == (dots == "kernel" and dots not in compiled)
+        compiled.add(dots)
+    # Dots named by the caller: auto reads (or measures) those alone, and "xla" never packs.
+    for budget in ("auto", 6):
+        packed.clear()
+        got = generate(target, PROMPTS[:1], "dominotree", draft, budget=budget, calibration=cal, cpu_dots="xla",
+                       max_new_tokens=7)
+        assert (got.cpu_dots, got.ar_cpu_dots, got.tokens, packed) == ("xla", "xla", ar, [])
+        assert got.stats[0]["budget"] == 6 and (budget == 6 or "dots:" not in got.auto)
+    with pytest.raises(ValueError, match="cpu_dots must be one of auto, kernel, xla"):
+        generate(target, PROMPTS[:1], "dominotree", draft, budget=6, cpu_dots="fast", max_new_tokens=7)
 
 
 def test_round_costs_time_each_tree_in_pairs_with_ar(monkeypatch):
