@@ -287,6 +287,13 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {action.default})"
 
 
+def _add_sampling(p) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (lossless)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
+    p.add_argument("--seed", type=_seed_arg, default=0, help="sampling seed (0 to 2**32 - 1)")
+
+
 def add_generate(sub) -> None:
     from dtree_jax.builders import REGISTRY
     from dtree_jax.models.config import ATTENTION_IMPLS, KERNEL_PLATFORMS
@@ -317,10 +324,7 @@ def add_generate(sub) -> None:
     p.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="tokens the drafter may propose: auto = its draft_vocab.json where the weights are baked in "
                         "(CPU), else all; full = all (the output is the same either way)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (lossless)")
-    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
-    p.add_argument("--seed", type=_seed_arg, default=0, help="sampling seed (0 to 2**32 - 1)")
+    _add_sampling(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default=None,
                    help="attention (and tree-GDN verify) implementation: the jnp/XLA path or the Pallas kernels "
