@@ -2,6 +2,10 @@
 //
 //   out[M, N] = x[M, K] @ w,   w packed as panels [P, K, 64]: panel p holds columns 64p .. 64p + 63 (zero past N).
 //
+// The panels are fp32, or bf16 (a bf16 weight's own bytes, half the fp32 read; each 32-column chunk's columns
+// stored in pairs, see load_weights): a bf16 value widened to fp32 is exact (its bits shifted up 16), so both
+// give the same sums, bit for bit.
+//
 // A panel is read from memory once for up to 12 rows, in blocks of 64 panel rows that groups of up to 6 rows
 // (AVX-512; 3 with AVX2) take in turn from L1, so 5 or 9 rows cost little more than one: the weights are read
 // once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.
@@ -15,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include "xla/ffi/api/ffi.h"
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -43,12 +48,45 @@ constexpr int kWidth = sizeof(Reg) / sizeof(float);
 template <int R>
 constexpr int Vecs() { return kWidth == 8 && R == 1 ? 8 : 4; }
 
-// R rows of x [R, K] against panel rows k0 .. k1 - 1 (a panel [K, 64]); acc [R, 64] holds the rows' running
-// sums (read unless k0 == 0, then written back).  kPrefetch: fetch the panel kPrefetchRows ahead into L2.
-template <int R, bool kPrefetch>
-static inline void block(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* acc) {
+// A pass's kVecs registers of panel values (kVecs * kWidth columns from p) as fp32.  bf16 panels hold each
+// 32-column chunk as pairs (column i, column 16 + i), i = 0 .. 15, so one load of 2 * kWidth values gives two
+// registers: the pairs' low halves shifted up 16 bits, and their high halves with the low bits cleared (both
+// exact, two instructions for 2 * kWidth values).
+template <typename W, int kVecs>
+static inline void load_weights(const W* p, Reg (&wv)[kVecs]) {
+  if constexpr (std::is_same_v<W, float>) {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) wv[v] = SIMD(loadu_ps)(p + kWidth * v);
+  } else {
+    constexpr int kChunkVecs = 32 / kWidth;  // registers a 32-column chunk fills: 2 (AVX-512) or 4 (AVX2)
+#pragma GCC unroll 8
+    for (int c = 0; c < kVecs / kChunkVecs; ++c)
+#pragma GCC unroll 8
+      for (int j = 0; j < kChunkVecs / 2; ++j) {
+        const W* q = p + 32 * c + 2 * kWidth * j;
+#if defined(__AVX512F__)
+        __m512i pairs = _mm512_loadu_si512(q);
+        wv[c * kChunkVecs + j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        wv[c * kChunkVecs + j + kChunkVecs / 2] =
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000u))));
+#else
+        __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        wv[c * kChunkVecs + j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        wv[c * kChunkVecs + j + kChunkVecs / 2] =
+            _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+#endif
+      }
+  }
+}
+
+// R rows of x [R, K] against panel rows k0 .. k1 - 1 (a panel [K, 64] of W: float, or uint16_t for bf16); acc
+// [R, 64] holds the rows' running sums (read unless k0 == 0, then written back).  kPrefetch: fetch the panel
+// kPrefetchRows ahead into L2.
+template <typename W, int R, bool kPrefetch>
+static inline void block(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* acc) {
   constexpr int kVecs = Vecs<R>();
   constexpr int64_t kPassCols = kVecs * kWidth;
+  constexpr int kLines = kPassCols * sizeof(W) / 64;  // cache lines of a pass's panel row
   for (int64_t pass = 0; pass < kPanel; pass += kPassCols) {
     Reg a[R][kVecs];
 #pragma GCC unroll 8
@@ -56,15 +94,14 @@ static inline void block(const float* x, int64_t K, const float* w, int64_t k0, 
 #pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v)
         a[r][v] = k0 == 0 ? SIMD(setzero_ps)() : SIMD(loadu_ps)(acc + r * kPanel + pass + kWidth * v);
-    const float* wp = w + k0 * kPanel + pass;
+    const W* wp = w + k0 * kPanel + pass;
     for (int64_t k = k0; k < k1; ++k, wp += kPanel) {
       Reg wv[kVecs];
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) wv[v] = SIMD(loadu_ps)(wp + kWidth * v);
+      load_weights(wp, wv);
       if (kPrefetch) {
 #pragma GCC unroll 4
-        for (int line = 0; line < kPassCols / 16; ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * kPanel + 16 * line), _MM_HINT_T1);
+        for (int line = 0; line < kLines; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * kPanel) + 64 * line, _MM_HINT_T1);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -80,25 +117,27 @@ static inline void block(const float* x, int64_t K, const float* w, int64_t k0, 
   }
 }
 
-// block<g, ...> for a run-time g in 1 .. kMaxRows.
-template <int R = kMaxRows>
-static inline void block_of(int g, bool prefetch, const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
+// block<W, g, ...> for a run-time g in 1 .. kMaxRows.
+template <typename W, int R = kMaxRows>
+static inline void block_of(int g, bool prefetch, const float* x, int64_t K, const W* w, int64_t k0, int64_t k1,
                             float* acc) {
   if constexpr (R >= 1) {
-    if (g != R) return block_of<R - 1>(g, prefetch, x, K, w, k0, k1, acc);
-    if (prefetch) return block<R, true>(x, K, w, k0, k1, acc);
-    block<R, false>(x, K, w, k0, k1, acc);
+    if (g != R) return block_of<W, R - 1>(g, prefetch, x, K, w, k0, k1, acc);
+    if (prefetch) return block<W, R, true>(x, K, w, k0, k1, acc);
+    block<W, R, false>(x, K, w, k0, k1, acc);
   }
 }
 
 // All M rows against panels p0 .. p1 - 1.  Up to kGroupRows rows share a panel's pass: a block of kBlockRows
 // panel rows (16 KB) is read from memory once, for the first kMaxRows of them, and from L1 for the others, so
-// the weights stream from memory without a pause while the later rows compute.  One row keeps up with the
-// hardware prefetcher alone; more rows fall behind it, so their first row group prefetches.
-static void rows(const float* x, int64_t M, int64_t K, const float* w, float* out, int64_t N, int64_t p0, int64_t p1) {
+// the weights stream from memory without a pause while the later rows compute.  One row of fp32 panels keeps up
+// with the hardware prefetcher alone; more rows, or bf16 panels (more work a byte), fall behind it, so their first
+// row group prefetches (one bf16 row: 15 against 20 ms for SmolLM2's dense dots on our 260 MiB-L3 Intel host).
+template <typename W>
+static void rows(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t p0, int64_t p1) {
   alignas(64) float acc[kGroupRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
-    const float* wp = w + p * K * kPanel;
+    const W* wp = w + p * K * kPanel;
     int64_t col = p * kPanel, cols = std::min(kPanel, N - col);
     if (cols <= 0) break;  // panels past N (only zeros)
     for (int64_t r0 = 0; r0 < M; r0 += kGroupRows) {
@@ -107,7 +146,7 @@ static void rows(const float* x, int64_t M, int64_t K, const float* w, float* ou
         int64_t k1 = std::min(K, k0 + kBlockRows);
         for (int64_t r = 0; r < m; r += kMaxRows) {
           int g = static_cast<int>(std::min<int64_t>(kMaxRows, m - r));
-          block_of(g, M >= 2 && r == 0, x + (r0 + r) * K, K, wp, k0, k1, acc + r * kPanel);
+          block_of(g, (M >= 2 || sizeof(W) == 2) && r == 0, x + (r0 + r) * K, K, wp, k0, k1, acc + r * kPanel);
         }
       }
       for (int64_t r = 0; r < m; ++r) std::copy(acc + r * kPanel, acc + r * kPanel + cols, out + (r0 + r) * N + col);
@@ -121,8 +160,9 @@ struct Progress {
   std::atomic<int64_t> done{0};
 };
 
-static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                             ffi::ResultBuffer<ffi::F32> out) {
+template <ffi::DataType kWeights>
+static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeights> w,
+                            ffi::ResultBuffer<ffi::F32> out) {
   auto wd = w.dimensions();
   auto od = out->dimensions();
   if (wd.size() != 3 || wd[2] != kPanel || od.size() < 1)
@@ -132,7 +172,7 @@ static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "cpu_dot: x [..., K], panels [P, K, 64], out [..., N <= 64P]");
   int64_t M = x.element_count() / K;
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const auto* wp = w.typed_data();  // float, or uint16_t (bf16 bits)
   float* op = out->typed_data();
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t per_chunk = std::max<int64_t>(1, P / (4 * threads));
@@ -154,9 +194,12 @@ static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DtreeJaxFewRowDot, FewRowDot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One handler per panel dtype: x fp32, panels of kWeights, out fp32.
+#define FEW_ROW_DOT_HANDLER(name, kWeights)                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, FewRowDot<kWeights>, ffi::Ffi::Bind()                           \
+                                                               .Ctx<ffi::ThreadPool>()                \
+                                                               .Arg<ffi::Buffer<ffi::F32>>()          \
+                                                               .Arg<ffi::Buffer<kWeights>>()          \
+                                                               .Ret<ffi::Buffer<ffi::F32>>())
+FEW_ROW_DOT_HANDLER(DtreeJaxFewRowDot, ffi::F32);
+FEW_ROW_DOT_HANDLER(DtreeJaxFewRowDotBf16, ffi::BF16);

@@ -1,5 +1,6 @@
-"""A few-row fp32 dot for XLA:CPU: ``x [..., K] @ w [K, N]`` with ``w`` (fp32, or bf16 held as fp32) packed into
-64-column panels (``PackedWeight``), run by ``cpu_dot.cc`` through XLA's FFI.
+"""A few-row fp32 dot for XLA:CPU: ``x [..., K] @ w [K, N]`` with ``w`` (fp32 or bf16) packed into 64-column panels
+of its own dtype (``PackedWeight``), run by ``cpu_dot.cc`` through XLA's FFI (bf16 widened to fp32 as it is read:
+exact, so both give the same sums at half the bytes for bf16).
 
 XLA:CPU's dots (YNNPACK, with the weights baked in) cost 1.4x one row at 5 rows and 1.9x at 9 on our Intel hosts,
 so a 5-node verify cost 1.3-1.4x an ``ar`` step there.  This kernel reads each weight panel from memory once for
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 PANEL = 64  # columns per panel; cpu_dot.cc's kPanel
-FFI_TARGET = "dtree_jax_cpu_fewrow_dot"
+FFI_TARGETS = {"float32": ("dtree_jax_cpu_fewrow_dot", "DtreeJaxFewRowDot"),  # panels' dtype -> (target, symbol)
+               "bfloat16": ("dtree_jax_cpu_fewrow_dot_bf16", "DtreeJaxFewRowDotBf16")}
 SOURCE = Path(__file__).with_name("cpu_dot.cc")
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
 NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
@@ -39,13 +41,13 @@ NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight ``[K, N]`` (fp32 or bf16) as fp32 panels ``[ceil(N / 64), K, 64]`` (zero columns past N);
-    ``x @ packed`` runs the kernel and gives what ``x @ w`` would: fp32 sums, in ``x @ w``'s dtype (Python falls
-    back to ``__rmatmul__`` because JAX arrays decline unknown operands)."""
+    """A weight ``[K, N]`` (fp32 or bf16) as panels ``[ceil(N / 64), K, 64]`` of its own dtype (zero columns past
+    N); ``x @ packed`` runs the kernel and gives what ``x @ w`` would: fp32 sums (a bf16 weight widened to fp32,
+    exact), in ``x @ w``'s dtype (Python falls back to ``__rmatmul__`` because JAX arrays decline unknown
+    operands)."""
 
-    panels: jax.Array  # [P, K, 64] fp32
+    panels: jax.Array  # [P, K, 64] fp32 or bf16
     cols: int  # N
-    weight_dtype: str = "float32"  # the weight's own dtype (a bf16 weight's values are exact in fp32)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,25 +55,36 @@ class PackedWeight:
 
     @property
     def dtype(self):
-        return jnp.dtype(self.weight_dtype)
+        return self.panels.dtype
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:  # [..., K] -> [..., N] in x @ w's dtype
         return fewrow_dot(x, self).astype(jnp.result_type(x.dtype, self.dtype))
 
 
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=["cols", "weight_dtype"])
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=["cols"])
 
 
-def pack(w: jax.Array) -> PackedWeight:  # [K, N] fp32 or bf16 -> fp32 panels [P, K, 64]
+def _pair_halves(rows: jax.Array, inverse: bool = False) -> jax.Array:  # [..., 64] bf16 -> [..., 64]
+    """bf16 panels store each 32-column chunk as pairs (column i, column 16 + i) (``cpu_dot.cc``'s
+    ``load_weights``): natural order -> pairs, or back with ``inverse``."""
+    lead = rows.shape[:-1]
+    split = (2, 16, 2) if inverse else (2, 2, 16)
+    return rows.reshape(*lead, *split).swapaxes(-1, -2).reshape(*lead, PANEL)
+
+
+def pack(w: jax.Array) -> PackedWeight:  # [K, N] fp32 or bf16 -> panels [P, K, 64] of the same dtype
     k, n = w.shape
+    if jnp.dtype(w.dtype).name not in FFI_TARGETS:
+        raise ValueError(f"cpu_dot packs fp32 or bf16 weights, got {w.dtype}")
     p = -(-n // PANEL)
-    panels = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, p * PANEL - n)))
-    return PackedWeight(panels.reshape(k, p, PANEL).transpose(1, 0, 2), n, jnp.dtype(w.dtype).name)
+    panels = jnp.pad(jnp.asarray(w), ((0, 0), (0, p * PANEL - n))).reshape(k, p, PANEL).transpose(1, 0, 2)
+    return PackedWeight(_pair_halves(panels) if panels.dtype == jnp.bfloat16 else panels, n)
 
 
 def unpack(w: PackedWeight) -> jax.Array:  # -> [K, N] in the weight's dtype
     p, k, _ = w.panels.shape
-    return w.panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : w.cols].astype(w.dtype)
+    panels = _pair_halves(w.panels, inverse=True) if w.dtype == jnp.bfloat16 else w.panels
+    return panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : w.cols]
 
 
 def fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
@@ -80,7 +93,7 @@ def fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [...,
     if x.shape[-1] != k:
         raise ValueError(f"cpu_dot: x {x.shape} against a [{k}, {w.cols}] weight")
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.cols,), jnp.float32)
-    return jax.ffi.ffi_call(FFI_TARGET, out)(x.astype(jnp.float32), w.panels)
+    return jax.ffi.ffi_call(FFI_TARGETS[w.dtype.name][0], out)(x.astype(jnp.float32), w.panels)
 
 
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
@@ -160,15 +173,17 @@ def _load() -> tuple[bool, str]:
     arch = AVX2_FLAGS if choice == "avx2" else NATIVE_FLAGS
     try:
         lib = _build(compiler, arch)
+        handlers = lambda loaded: {t: getattr(loaded, sym) for t, sym in FFI_TARGETS.values()}  # noqa: E731
         try:
-            handler = ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot
-        except OSError:  # a cached library that does not load (truncated, foreign): rebuilt once
+            found = handlers(ctypes.cdll.LoadLibrary(str(lib)))
+        except (OSError, AttributeError):  # a cached library that does not load (truncated, foreign): rebuilt once
             lib.unlink(missing_ok=True)
             lib = _build(compiler, arch)
-            handler = ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            found = handlers(ctypes.cdll.LoadLibrary(str(lib)))
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         return False, f"XLA's dots (the few-row kernel did not build here: {err})"
-    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    for target, handler in found.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True, f"the few-row kernel ({lib.name}{', AVX2' if choice == 'avx2' else ''})"
 
 

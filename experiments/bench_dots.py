@@ -4,6 +4,10 @@ XLA's dots (YNNPACK) and with the few-row kernel (``dtree_jax.cpu_dot``), at 1 r
 verify's 5 / 9 / 17 rows.  No attention, norms or trees: what the dots cost against their one-row price.
 
     python experiments/bench_dots.py --rows 1,5,9,17 --repeats 20
+    python experiments/bench_dots.py --dtype bfloat16 --out experiments/results/bench_dots_bf16.json
+
+``--dtype bfloat16``: a bf16 model's dots (bf16 weights and inputs): XLA's bf16 dots, the kernel on the weights'
+own bf16 panels, and the kernel on fp32 panels of the same values (``kernel_fp32``: twice the bytes).
 
 Random weights (the dots' cost does not depend on the values); a layer's input is the previous layer's output, as
 in the model.  Every program runs once per repeat, interleaved; medians, and ratios to the same dots at 1 row.
@@ -46,6 +50,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,5,9,17", help="comma-separated row counts (1 is always included)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
     parser.add_argument("--out", default=str(RESULTS / "bench_dots.json"))
     args = parser.parse_args(argv)
     try:
@@ -58,14 +63,18 @@ def main(argv=None) -> int:
         parser.error(f"this benchmark compares the few-row kernel with XLA's dots: {cpu_dot.status()}")
 
     rng = np.random.default_rng(0)
-    layers = [{name: jnp.asarray(rng.normal(size=shape) * 0.02, jnp.float32) for name, shape in SHAPES.items()}
+    dtype = jnp.dtype(args.dtype)
+    layers = [{name: jnp.asarray(rng.normal(size=shape) * 0.02, dtype) for name, shape in SHAPES.items()}
               for _ in range(LAYERS)]
-    head = jnp.asarray(rng.normal(size=(HIDDEN, VOCAB)) * 0.02, jnp.float32)
-    weights = {"ynn": (layers, head),
-               "kernel": ([{n: cpu_dot.pack(w) for n, w in layer.items()} for layer in layers], cpu_dot.pack(head))}
+    head = jnp.asarray(rng.normal(size=(HIDDEN, VOCAB)) * 0.02, dtype)
+    packed = lambda cast: ([{n: cpu_dot.pack(cast(w)) for n, w in layer.items()} for layer in layers],  # noqa: E731
+                           cpu_dot.pack(cast(head)))
+    weights = {"ynn": (layers, head), "kernel": packed(lambda w: w)}
+    if dtype != jnp.float32:
+        weights["kernel_fp32"] = packed(lambda w: w.astype(jnp.float32))
     programs = {}
     for r in rows:
-        x = jnp.asarray(rng.normal(size=(r, HIDDEN)), jnp.float32)
+        x = jnp.asarray(rng.normal(size=(r, HIDDEN)), dtype)
         for dots, baked in weights.items():
             program = cpu_options.compile_baked(dense_dots, baked, x)
             jax.block_until_ready(program(x))
@@ -73,15 +82,16 @@ def main(argv=None) -> int:
     times = time_interleaved(programs, args.repeats)
 
     table = {}
-    print("| rows | YNNPACK ms | x its 1 row | kernel ms | x its 1 row | kernel / YNNPACK |\n|---|---|---|---|---|---|")
+    print("| rows | " + " | ".join(f"{dots} ms | x its 1 row" for dots in weights) + " | kernel / ynn |")
+    print("|---|" + "---|---|" * len(weights) + "---|")
     for r in rows:
         ms = {dots: 1e3 * statistics.median(times[f"{dots}, {r} rows"]) for dots in weights}
         one = {dots: 1e3 * statistics.median(times[f"{dots}, 1 rows"]) for dots in weights}
-        table[r] = dict(ynn_ms=ms["ynn"], kernel_ms=ms["kernel"], ynn_x_1_row=ms["ynn"] / one["ynn"],
-                        kernel_x_1_row=ms["kernel"] / one["kernel"])
-        print(f"| {r} | {ms['ynn']:.1f} | {ms['ynn'] / one['ynn']:.2f}x | {ms['kernel']:.1f} | "
-              f"{ms['kernel'] / one['kernel']:.2f}x | {ms['kernel'] / ms['ynn']:.2f} |")
-    payload = dict(machine=machine(), kernel=cpu_dot.status(), repeats=args.repeats, rows=table,
+        table[r] = {k: v for dots in weights for k, v in ((f"{dots}_ms", ms[dots]),
+                                                          (f"{dots}_x_1_row", ms[dots] / one[dots]))}
+        print(f"| {r} | " + " | ".join(f"{ms[dots]:.1f} | {ms[dots] / one[dots]:.2f}x" for dots in weights)
+              + f" | {ms['kernel'] / ms['ynn']:.2f} |")
+    payload = dict(machine=machine(), kernel=cpu_dot.status(), dtype=args.dtype, repeats=args.repeats, rows=table,
                    times_s=times)
     pathlib.Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     return 0

@@ -87,6 +87,8 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     # + the dense weights packed for the few-row kernel (cpu_dot): what dtree_jax compiles CPU generations with
     # where the kernel builds
     "baked+kernel+vocab": (True, OPTION_SETS["ynn"]),
+    # the same, with bf16 weights (the shipped drafter's) on fp32 panels: what ran before bf16 panels
+    "baked+kernel32+vocab": (True, OPTION_SETS["ynn"]),
 }
 
 
@@ -106,7 +108,10 @@ def compile_piece(fn, args: tuple, weights: tuple, mode: str, baked_as: tuple):
         return fn(static, *(baked_in.pop(0) if i in where else next(given) for i in range(len(rest))))
 
     values = tuple(next(b for w, b in zip(weights, baked_as) if rest[i] is w) for i in where)
-    if "+kernel" in mode:
+    if "+kernel32" in mode:
+        widen = lambda a: a.astype(jnp.float32) if getattr(a, "dtype", None) == jnp.bfloat16 else a  # noqa: E731
+        values = cpu_options.pack_dense(jax.tree.map(widen, values))
+    elif "+kernel" in mode:
         values = cpu_options.pack_dense(values)
     return cpu_options.compile_baked(call, values, *others, options=options), others
 

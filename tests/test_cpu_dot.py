@@ -39,6 +39,25 @@ def test_the_kernel_computes_the_references_product(k, n, lead):
     np.testing.assert_allclose(got, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-5 * np.sqrt(k))
 
 
+def _bf16_equals_fp32_panels(dot, k, n, rows):
+    """``dot(x, panels)`` with a bf16 weight's own panels gives the sums of its fp32 widening's panels, bit for bit
+    (half the bytes read, the same values); a weight differing in one bf16 step gives other sums (control)."""
+    w16 = _weight(k, n, seed=4).astype(jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((rows, k), dtype=np.float32))
+    half, full = cpu_dot.pack(w16), cpu_dot.pack(w16.astype(jnp.float32))
+    assert half.panels.dtype == jnp.bfloat16 and half.panels.nbytes * 2 == full.panels.nbytes
+    got = np.asarray(dot(x, half))
+    np.testing.assert_array_equal(got, np.asarray(dot(x, full)))
+    nudged = cpu_dot.pack(w16.at[k // 2, n // 2].set(jnp.nextafter(w16[k // 2, n // 2], jnp.bfloat16(jnp.inf))))
+    assert not np.array_equal(np.asarray(dot(x, nudged)), got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n,rows", [(7, 3, 1), (96, 130, 5), (576, 200, 9), (576, 1000, 13), (1536, 64, 2)])
+def test_bf16_panels_give_the_fp32_panels_sums(k, n, rows):
+    _bf16_equals_fp32_panels(jax.jit(lambda x, p: x @ p), k, n, rows)
+
+
 @needs_kernel
 def test_a_rows_result_never_depends_on_the_other_rows():
     """Every row of a 13-row call equals, bit for bit, the same row computed alone or in any other group (in the
@@ -62,18 +81,21 @@ def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
     name, it gives the reference's product and the same bits for a row alone or among others."""
 
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
-    lib = cpu_dot._build(cpu_dot._compiler(), cpu_dot.AVX2_FLAGS)
-    name = cpu_dot.FFI_TARGET + "_avx2_test"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).DtreeJaxFewRowDot),
-                                platform="cpu")
+    library = ctypes.cdll.LoadLibrary(str(cpu_dot._build(cpu_dot._compiler(), cpu_dot.AVX2_FLAGS)))
+    names = {}
+    for dtype, (target, symbol) in cpu_dot.FFI_TARGETS.items():
+        names[dtype] = target + "_avx2_test"
+        jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    avx2 = jax.jit(lambda x, p: jax.ffi.ffi_call(names[p.dtype.name], jax.ShapeDtypeStruct(
+        (x.shape[0], p.cols), jnp.float32))(x, p.panels))
     packed = cpu_dot.pack(_weight(96, 130))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((7, 96), dtype=np.float32))
-    dot = jax.jit(lambda x: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], 130), jnp.float32))(
-        x, packed.panels))
-    full = np.asarray(dot(x))
+    full = np.asarray(avx2(x, packed))
     np.testing.assert_allclose(full, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-4)
     for lo, hi in [(0, 1), (0, 2), (2, 5), (1, 7), (6, 7)]:
-        np.testing.assert_array_equal(np.asarray(dot(x[lo:hi])), full[lo:hi])
+        np.testing.assert_array_equal(np.asarray(avx2(x[lo:hi], packed)), full[lo:hi])
+    for rows in (1, 2, 3, 7):
+        _bf16_equals_fp32_panels(avx2, 96, 130, rows)
 
 
 @needs_kernel
@@ -94,7 +116,8 @@ def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
     assert isinstance(tied.lm_head, cpu_dot.PackedWeight) and tied.lm_head.shape == target.params.embed.T.shape
     np.testing.assert_allclose(decoder.lm_head(tied, target.cfg, x),
                                jnp.einsum("...h,vh->...v", x, target.params.embed), rtol=1e-5, atol=1e-5)
-    # bf16 weights are packed too (their values exact in fp32): x @ w keeps its dtype, the sums are fp32's.
+    # bf16 weights are packed too, as bf16 panels (widened to fp32 in the kernel, exact): x @ w keeps its dtype,
+    # the sums are fp32's.
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), target.params)
     packed16 = cpu_options.pack_dense(bf16).layers[0].wq
     assert isinstance(packed16, cpu_dot.PackedWeight) and packed16.dtype == jnp.bfloat16
@@ -145,7 +168,8 @@ def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, m
                                  bake=functools.partial(loop.unshared_heads, spec))
         monkeypatch.setattr(cpu_options, "compile_baked", compile_baked)
         (program,) = compiled
-        return sum(cpu_dot.FFI_TARGET in line for line in program.as_text().splitlines())
+        return sum(target in line for line in program.as_text().splitlines()
+                   for target, _ in cpu_dot.FFI_TARGETS.values())
 
     assert kernel_calls() > 0
     monkeypatch.setitem(cpu_dot._state, "ok", False)
