@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence
 
-from dtree_jax import builders, cpu_dot, cpu_options, loop
+from dtree_jax import builders, cpu_options, loop
 from dtree_jax.loading import Model, cpu_layout, eos_ids, load_model, load_pair, model_for_mesh, with_kernels
 from dtree_jax.models import sharding
 from dtree_jax.planning import (
@@ -102,13 +102,15 @@ def generate(
         from dtree_jax.text import load_tokenizer
 
         texts = [load_tokenizer(target.path).decode(t) for t in tokens]
-    dots = lambda kernel, *params: (  # noqa: E731
-        "kernel" if kernel and cpu_dot.available() and cpu_options.bakes_weights(mesh, *params) else "xla")
+
+    def dots(kernel: bool, *params) -> str:
+        return "kernel" if cpu_options.runs_kernel(mesh, *params, kernel=kernel) else "xla"
+
     return Generation(tokens, stats, compile_seconds, seconds, stage_seconds, round_trees, texts, auto,
                       dots(spec.cpu_kernel, target.params, dparams), dots(ar_kernel, target.params))
 
 
-__all__ = ["CPU_DOTS", "METHODS", "Generation", "Model", "abstract_generation", "check_fit", "check_memory", "check_token_ids",
-           "choose_auto", "compilations", "cpu_layout", "device_memory_bytes", "draft_vocabulary", "eos_ids",
-           "generate", "load_model", "make_spec", "memory_estimate", "model_for_mesh", "request_keys",
+__all__ = ["CPU_DOTS", "METHODS", "Generation", "Model", "abstract_generation", "check_fit", "check_memory",
+           "check_token_ids", "choose_auto", "compilations", "cpu_layout", "device_memory_bytes", "draft_vocabulary",
+           "eos_ids", "generate", "load_model", "make_spec", "memory_estimate", "model_for_mesh", "request_keys",
            "trace_generation", "with_kernels"]

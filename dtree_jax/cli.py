@@ -297,6 +297,7 @@ def _add_sampling(p) -> None:
 def add_generate(sub) -> None:
     from dtree_jax.builders import REGISTRY
     from dtree_jax.models.config import ATTENTION_IMPLS, KERNEL_PLATFORMS
+    from dtree_jax.planning import CPU_DOTS
 
     p = sub.add_parser(
         "generate", help="generate with a target (and drafter) on device",
@@ -313,7 +314,7 @@ def add_generate(sub) -> None:
                         "tokens/s from the drafter's calibration.json (tau per budget) and this machine's seconds per "
                         "round (measured on the first run here, then cached; on a CPU also which dots, the few-row "
                         "kernel or XLA's) (default: auto with a drafter)")
-    p.add_argument("--cpu-dots", choices=("auto", "kernel", "xla"), default="auto",
+    p.add_argument("--cpu-dots", choices=CPU_DOTS, default="auto",
                    help="dense dots of CPU programs that bake their weights in: kernel = the few-row kernel (where "
                         "it builds), xla = XLA's, auto = the kernel, or with --budget auto whichever measured faster "
                         "here (the ar baseline then runs the dots of ar's fastest step)")

@@ -129,7 +129,7 @@ static inline void block_of(int g, bool prefetch, const float* x, int64_t K, con
 }
 
 // All M rows against panels p0 .. p1 - 1.  Up to kGroupRows rows share a panel's pass: a block of kBlockRows
-// panel rows (16 KB) is read from memory once, for the first kMaxRows of them, and from L1 for the others, so
+// panel rows (16 KB fp32, 8 KB bf16) is read from memory once, for the first kMaxRows of them, and from L1 for the others, so
 // the weights stream from memory without a pause while the later rows compute.  One row of fp32 panels keeps up
 // with the hardware prefetcher alone; more rows, or bf16 panels (more work a byte), fall behind it, so their first
 // row group prefetches (one bf16 row: 15 against 20 ms for SmolLM2's dense dots on our 260 MiB-L3 Intel host).

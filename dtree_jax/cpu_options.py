@@ -62,6 +62,12 @@ def bakes_weights(mesh, *params) -> bool:
     return jax.default_backend() == "cpu" and mesh is None and params_bytes(*params) <= BAKE_LIMIT_BYTES
 
 
+def runs_kernel(mesh, *params, kernel: bool = True) -> bool:
+    """Whether a generation over ``params`` compiled with ``kernel`` (``loop.Spec.cpu_kernel``) runs ``cpu_dot``'s
+    kernel: its weights baked in (``bakes_weights``) and the kernel built here."""
+    return kernel and cpu_dot.available() and bakes_weights(mesh, *params)
+
+
 @contextlib.contextmanager
 def no_persistent_cache():
     """Keeps the programs compiled inside out of JAX's persistent compilation cache (JAX decides once per

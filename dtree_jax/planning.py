@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtree_jax import builders, checkpoint_files, cpu_dot, cpu_options, loop, round_costs
+from dtree_jax import builders, checkpoint_files, cpu_options, loop, round_costs
 from dtree_jax.cost import auto_budget, choose_budget, load_calibration, parse_taus
 from dtree_jax.loading import Model
 from dtree_jax.models import sharding
@@ -263,8 +263,7 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
         from dtree_jax.convert import cache_dir
 
         dparams = drafter.params if drafter is not None else None
-        both = (cpu_dots == "auto" and cpu_dot.available()
-                and cpu_options.bakes_weights(knobs.get("mesh"), target.params, dparams))
+        both = cpu_dots == "auto" and cpu_options.runs_kernel(knobs.get("mesh"), target.params, dparams)
         options = {}  # cpu_kernel -> (tokens/s, budget, seconds per round by budget, where they came from)
         for kernel in (True, False) if both else (fixed,):
             specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1),
