@@ -6,9 +6,9 @@
 // stored in pairs, see load_weights): a bf16 value widened to fp32 is exact (its bits shifted up 16), so both
 // give the same sums, bit for bit.
 //
-// A panel is read from memory once for up to 12 rows, in blocks of 64 panel rows that groups of up to 6 rows
-// (AVX-512; 3 with AVX2) take in turn from L1, so 5 or 9 rows cost little more than one: the weights are read
-// once per call, where XLA:CPU's dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.
+// A panel is read from memory once for up to 12 rows, in blocks of 64 panel rows that groups of up to 6 rows take
+// in turn from L1, so 5 or 9 rows cost little more than one: the weights are read once per call, where XLA:CPU's
+// dots (YNNPACK) cost 1.4x / 1.9x one row at 5 / 9 rows on our Intel hosts.
 // Every output element is the sum over k in order, one FMA per term, whatever M is and whichever rows share a
 // call: a row's result never depends on the other rows (tests check it bit for bit), so a verify of N rows
 // computes what N one-row steps would.  Columns are split across XLA's intra-op thread pool; the calling thread
@@ -28,25 +28,36 @@
 
 namespace ffi = xla::ffi;
 constexpr int64_t kPanel = 64;           // columns per panel (the packed layout's last dimension)
-constexpr int64_t kPrefetchRows = 64;    // how far ahead (in k) a multi-row pass prefetches its panel into L2
+constexpr int64_t kPrefetchRows = 64;    // how far ahead (in k) a pass prefetches its panel into L2
 constexpr int64_t kBlockRows = 64;       // panel rows (in k) all the rows of a group take in turn
 constexpr int kGroupRows = 12;           // rows that share one pass over a panel
 
-// The vector registers: AVX-512 (16 floats) where the compiler targets it, else AVX2 (8 floats).  A pass covers
-// Vecs<R> registers of columns per row: the whole 64-column panel with AVX-512; with AVX2 (16 registers) the whole
-// panel for one row (a contiguous stream) and half of it for two or three.
+// The vector registers: AVX-512 (16 floats) where the compiler targets it, else AVX2 (8 floats).  A group of R
+// rows covers Vecs<R> registers of columns per row a pass: the whole 64-column panel with AVX-512 (6 rows x 4
+// accumulators + 4 weights + 1 broadcast <= 32 registers).  With AVX2's 16: the whole panel for one row (a
+// contiguous stream), half of it for two or three (some weights as FMA memory operands), a quarter for four to six
+// (6 x 2 accumulators + 2 weights + 1 broadcast).  bf16 panels widen a 32-column chunk at a time (load_weights),
+// so with AVX2 their groups stop at three rows.
 #if defined(__AVX512F__)
 using Reg = __m512;
 #define SIMD(op) _mm512_##op
-constexpr int kMaxRows = 6;  // 6 rows x 4 accumulators + 4 weights + 1 broadcast <= 32 registers
 #else
 using Reg = __m256;
 #define SIMD(op) _mm256_##op
-constexpr int kMaxRows = 3;  // 3 rows x 4 accumulators + 1 broadcast + weights, some as FMA memory operands
 #endif
 constexpr int kWidth = sizeof(Reg) / sizeof(float);
+template <typename W>
+constexpr int MaxRows() { return kWidth == 8 && !std::is_same_v<W, float> ? 3 : 6; }
 template <int R>
-constexpr int Vecs() { return kWidth == 8 && R == 1 ? 8 : 4; }
+constexpr int Vecs() { return kWidth == 16 ? 4 : R == 1 ? 8 : R <= 3 ? 4 : 2; }
+
+// Rows of the next group with `left` rows to go.  AVX2 runs six rows at a quarter panel a pass but fewer at half a
+// panel (3 + 2 for five rows: 26 against 29 ms for SmolLM2's dense dots on our 260 MiB-L3 Intel host).
+template <typename W>
+static inline int group_rows(int64_t left) {
+  int rows = static_cast<int>(std::min<int64_t>(MaxRows<W>(), left));
+  return kWidth == 8 && rows < 6 ? std::min(rows, 3) : rows;
+}
 
 // A pass's kVecs registers of panel values (kVecs * kWidth columns from p) as fp32.  bf16 panels hold each
 // 32-column chunk as pairs (column i, column 16 + i), i = 0 .. 15, so one load of 2 * kWidth values gives two
@@ -59,6 +70,7 @@ static inline void load_weights(const W* p, Reg (&wv)[kVecs]) {
     for (int v = 0; v < kVecs; ++v) wv[v] = SIMD(loadu_ps)(p + kWidth * v);
   } else {
     constexpr int kChunkVecs = 32 / kWidth;  // registers a 32-column chunk fills: 2 (AVX-512) or 4 (AVX2)
+    static_assert(kVecs % kChunkVecs == 0, "bf16 passes widen whole 32-column chunks");
 #pragma GCC unroll 8
     for (int c = 0; c < kVecs / kChunkVecs; ++c)
 #pragma GCC unroll 8
@@ -80,10 +92,12 @@ static inline void load_weights(const W* p, Reg (&wv)[kVecs]) {
 }
 
 // R rows of x [R, K] against panel rows k0 .. k1 - 1 (a panel [K, 64] of W: float, or uint16_t for bf16); acc
-// [R, 64] holds the rows' running sums (read unless k0 == 0, then written back).  kPrefetch: fetch the panel
-// kPrefetchRows ahead into L2.
-template <typename W, int R, bool kPrefetch>
-static inline void block(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* acc) {
+// [R, 64] holds the rows' running sums (read unless k0 == 0, then written back).  The pass prefetches the panel
+// kPrefetchRows ahead into L2, one panel row in `every` starting at k0 + `phase`: the groups sharing a block split
+// its prefetches, so the memory stays busy while any of them computes.
+template <typename W, int R>
+static inline void block(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* acc, int every,
+                         int phase) {
   constexpr int kVecs = Vecs<R>();
   constexpr int64_t kPassCols = kVecs * kWidth;
   constexpr int kLines = kPassCols * sizeof(W) / 64;  // cache lines of a pass's panel row
@@ -95,10 +109,12 @@ static inline void block(const float* x, int64_t K, const W* w, int64_t k0, int6
       for (int v = 0; v < kVecs; ++v)
         a[r][v] = k0 == 0 ? SIMD(setzero_ps)() : SIMD(loadu_ps)(acc + r * kPanel + pass + kWidth * v);
     const W* wp = w + k0 * kPanel + pass;
+    int countdown = phase;
     for (int64_t k = k0; k < k1; ++k, wp += kPanel) {
       Reg wv[kVecs];
       load_weights(wp, wv);
-      if (kPrefetch) {
+      if (countdown-- == 0) {
+        countdown = every - 1;
 #pragma GCC unroll 4
         for (int line = 0; line < kLines; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * kPanel) + 64 * line, _MM_HINT_T1);
@@ -117,22 +133,21 @@ static inline void block(const float* x, int64_t K, const W* w, int64_t k0, int6
   }
 }
 
-// block<W, g, ...> for a run-time g in 1 .. kMaxRows.
-template <typename W, int R = kMaxRows>
-static inline void block_of(int g, bool prefetch, const float* x, int64_t K, const W* w, int64_t k0, int64_t k1,
-                            float* acc) {
+// block<W, g, ...> for a run-time g in 1 .. MaxRows<W>().
+template <typename W, int R = MaxRows<W>()>
+static inline void block_of(int g, const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* acc,
+                            int every, int phase) {
   if constexpr (R >= 1) {
-    if (g != R) return block_of<W, R - 1>(g, prefetch, x, K, w, k0, k1, acc);
-    if (prefetch) return block<W, R, true>(x, K, w, k0, k1, acc);
-    block<W, R, false>(x, K, w, k0, k1, acc);
+    if (g != R) return block_of<W, R - 1>(g, x, K, w, k0, k1, acc, every, phase);
+    block<W, R>(x, K, w, k0, k1, acc, every, phase);
   }
 }
 
 // All M rows against panels p0 .. p1 - 1.  Up to kGroupRows rows share a panel's pass: a block of kBlockRows
-// panel rows (16 KB fp32, 8 KB bf16) is read from memory once, for the first kMaxRows of them, and from L1 for the others, so
-// the weights stream from memory without a pause while the later rows compute.  One row of fp32 panels keeps up
-// with the hardware prefetcher alone; more rows, or bf16 panels (more work a byte), fall behind it, so their first
-// row group prefetches (one bf16 row: 15 against 20 ms for SmolLM2's dense dots on our 260 MiB-L3 Intel host).
+// panel rows (16 KB fp32, 8 KB bf16) is read from memory once, for the first group of them, and from L1 for the
+// others, while the groups' prefetches keep the weights streaming from memory (prefetching beats the hardware
+// prefetcher alone at every row count, one fp32 row too: 0.74-0.79x YNNPACK's one-row dots against 0.78x without
+// with AVX-512, 0.81-0.82x against 0.87-0.91x with AVX2, on our 260 MiB-L3 Intel host).
 template <typename W>
 static void rows(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t p0, int64_t p1) {
   alignas(64) float acc[kGroupRows * kPanel];
@@ -142,12 +157,13 @@ static void rows(const float* x, int64_t M, int64_t K, const W* w, float* out, i
     if (cols <= 0) break;  // panels past N (only zeros)
     for (int64_t r0 = 0; r0 < M; r0 += kGroupRows) {
       int64_t m = std::min<int64_t>(kGroupRows, M - r0);
+      int sizes[kGroupRows], groups = 0;
+      for (int64_t r = 0; r < m; r += sizes[groups++]) sizes[groups] = group_rows<W>(m - r);
       for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
         int64_t k1 = std::min(K, k0 + kBlockRows);
-        for (int64_t r = 0; r < m; r += kMaxRows) {
-          int g = static_cast<int>(std::min<int64_t>(kMaxRows, m - r));
-          block_of(g, (M >= 2 || sizeof(W) == 2) && r == 0, x + (r0 + r) * K, K, wp, k0, k1, acc + r * kPanel);
-        }
+        int64_t r = 0;
+        for (int j = 0; j < groups; r += sizes[j++])
+          block_of(sizes[j], x + (r0 + r) * K, K, wp, k0, k1, acc + r * kPanel, groups, j);
       }
       for (int64_t r = 0; r < m; ++r) std::copy(acc + r * kPanel, acc + r * kPanel + cols, out + (r0 + r) * N + col);
     }

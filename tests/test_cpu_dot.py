@@ -76,7 +76,8 @@ def test_a_rows_result_never_depends_on_the_other_rows():
 
 @needs_kernel
 def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
-    """Hosts without AVX-512 build the AVX2 variant (one row: a whole panel per pass; 2-3 rows: half a panel):
+    """Hosts without AVX-512 build the AVX2 variant (one row: a whole panel per pass; 2-3 rows: half a panel; 4-6
+    rows of fp32 panels: a quarter; 5 rows as 3 + 2, 9 as 6 + 3, 13 as 6 + 6 and 1):
     built here with ``-mno-avx512f`` (as ``DTREE_JAX_CPU_DOT=avx2`` builds it) and called through its own FFI
     name, it gives the reference's product and the same bits for a row alone or among others."""
 
@@ -89,12 +90,12 @@ def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
     avx2 = jax.jit(lambda x, p: jax.ffi.ffi_call(names[p.dtype.name], jax.ShapeDtypeStruct(
         (x.shape[0], p.cols), jnp.float32))(x, p.panels))
     packed = cpu_dot.pack(_weight(96, 130))
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((7, 96), dtype=np.float32))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((13, 96), dtype=np.float32))
     full = np.asarray(avx2(x, packed))
     np.testing.assert_allclose(full, cpu_dot.reference_fewrow_dot(x, packed), rtol=2e-5, atol=2e-4)
-    for lo, hi in [(0, 1), (0, 2), (2, 5), (1, 7), (6, 7)]:
+    for lo, hi in [(0, 1), (0, 2), (2, 5), (3, 8), (1, 7), (0, 9), (12, 13)]:
         np.testing.assert_array_equal(np.asarray(avx2(x[lo:hi], packed)), full[lo:hi])
-    for rows in (1, 2, 3, 7):
+    for rows in (1, 2, 3, 7, 9):
         _bf16_equals_fp32_panels(avx2, 96, 130, rows)
 
 
