@@ -87,13 +87,15 @@ def unpack(w: PackedWeight) -> jax.Array:  # -> [K, N] in the weight's dtype
     return panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : w.cols]
 
 
-def fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
-    """The kernel (``available()`` must be True where the program is compiled and run)."""
+def fewrow_dot(x: jax.Array, w: PackedWeight, targets: dict[str, str] | None = None) -> jax.Array:
+    """``x [..., K] @ w`` -> ``[..., N]`` fp32 by the kernel (``available()`` must be True where the program is
+    compiled and run); ``targets`` {panel dtype: FFI target}: another build's handlers (``register_build``)."""
     k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"cpu_dot: x {x.shape} against a [{k}, {w.cols}] weight")
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.cols,), jnp.float32)
-    return jax.ffi.ffi_call(FFI_TARGETS[w.dtype.name][0], out)(x.astype(jnp.float32), w.panels)
+    target = targets[w.dtype.name] if targets else FFI_TARGETS[w.dtype.name][0]
+    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels)
 
 
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
@@ -138,13 +140,13 @@ def _cpu_fingerprint() -> str:
     return "\n".join(keep) or platform.processor() or platform.machine()
 
 
-def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS) -> Path:
-    """The shared library for this source, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
+def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, source: Path = SOURCE) -> Path:
+    """The shared library for ``source``, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
     into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(arch).encode(), jax.__version__.encode(),
-                                     _cpu_fingerprint().encode()])).hexdigest()[:24]
+    parts = [source.read_bytes(), version.encode(), " ".join(arch).encode(), jax.__version__.encode(),
+             _cpu_fingerprint().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     lib = _cache_dir() / f"cpu_dot-{key}.so"
     if lib.exists():
         return lib
@@ -152,13 +154,23 @@ def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         built = Path(tmp) / lib.name
         cmd = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+               f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{Path(compiler).name} failed: {last}")
         os.replace(built, lib)  # atomic: a concurrent process sees the old state or the whole library
     return lib
+
+
+def _register(library: ctypes.CDLL, suffix: str = "") -> dict[str, str]:
+    """Registers ``library``'s handlers (all found before any is registered) as the FFI targets
+    ``<target><suffix>``; returns {panel dtype: target}."""
+    handlers = {dtype: getattr(library, symbol) for dtype, (_, symbol) in FFI_TARGETS.items()}
+    targets = {dtype: FFI_TARGETS[dtype][0] + suffix for dtype in handlers}
+    for dtype, handler in handlers.items():
+        jax.ffi.register_ffi_target(targets[dtype], jax.ffi.pycapsule(handler), platform="cpu")
+    return targets
 
 
 def _load() -> tuple[bool, str]:
@@ -173,18 +185,25 @@ def _load() -> tuple[bool, str]:
     arch = AVX2_FLAGS if choice == "avx2" else NATIVE_FLAGS
     try:
         lib = _build(compiler, arch)
-        handlers = lambda loaded: {t: getattr(loaded, sym) for t, sym in FFI_TARGETS.values()}  # noqa: E731
         try:
-            found = handlers(ctypes.cdll.LoadLibrary(str(lib)))
+            _register(ctypes.cdll.LoadLibrary(str(lib)))
         except (OSError, AttributeError):  # a cached library that does not load (truncated, foreign): rebuilt once
             lib.unlink(missing_ok=True)
             lib = _build(compiler, arch)
-            found = handlers(ctypes.cdll.LoadLibrary(str(lib)))
+            _register(ctypes.cdll.LoadLibrary(str(lib)))
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         return False, f"XLA's dots (the few-row kernel did not build here: {err})"
-    for target, handler in found.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True, f"the few-row kernel ({lib.name}{', AVX2' if choice == 'avx2' else ''})"
+
+
+def register_build(suffix: str, source: Path = SOURCE, arch: tuple[str, ...] = NATIVE_FLAGS) -> dict[str, str]:
+    """Builds ``source`` (a version of ``cpu_dot.cc``) with ``arch`` flags and registers its handlers as the FFI
+    targets ``<target><suffix>``, beside this process's build (to test the AVX2 variant, or time two versions in
+    one process); returns {panel dtype: target} for ``fewrow_dot(targets=)``."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found to build the few-row kernel; set CXX")
+    return _register(ctypes.cdll.LoadLibrary(str(_build(compiler, arch, source))), suffix)
 
 
 def available() -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import pathlib
 import statistics
 import sys
@@ -38,29 +39,38 @@ SHAPES = dict(q=(HIDDEN, HIDDEN), k=(HIDDEN, KV_WIDTH), v=(HIDDEN, KV_WIDTH), o=
               gate=(HIDDEN, MLP_WIDTH), up=(HIDDEN, MLP_WIDTH), down=(MLP_WIDTH, HIDDEN))
 
 
-def dense_dots(layers, head, x):  # x [R, HIDDEN] -> [R] (the head's row maxima: no [R, VOCAB] output kept)
+def dense_dots(layers, head, x, dot=operator.matmul):  # x [R, HIDDEN] -> [R] (the head's row maxima)
+    """The model's dense dots, ``dot(x, w)`` each (``@``: XLA's dots, or the kernel for packed weights)."""
     for w in layers:
-        q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
-        x = x + (q + jnp.concatenate([k, v, k], -1)) @ w["o"]
-        x = x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
-    return jnp.max(x @ head, -1)
+        q, k, v = dot(x, w["q"]), dot(x, w["k"]), dot(x, w["v"])
+        x = x + dot(q + jnp.concatenate([k, v, k], -1), w["o"])
+        x = x + dot(jax.nn.silu(dot(x, w["gate"])) * dot(x, w["up"]), w["down"])
+    return jnp.max(dot(x, head), -1)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,5,9,17", help="comma-separated row counts (1 is always included)")
-    parser.add_argument("--repeats", type=int, default=20)
+def parse_dot_args(parser: argparse.ArgumentParser, argv, out: str, repeats: int, rows_always=()):
+    """The dense-dot benchmarks' shared flags (--rows, --repeats, --dtype, --out): (args, sorted row counts);
+    usage errors, or a host without the kernel, end in one line."""
+    always = f" ({', '.join(map(str, rows_always))} always included)" if rows_always else ""
+    parser.add_argument("--rows", default="1,5,9,17", help="comma-separated row counts" + always)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
-    parser.add_argument("--out", default=str(RESULTS / "bench_dots.json"))
+    parser.add_argument("--out", default=str(RESULTS / out))
     args = parser.parse_args(argv)
     try:
-        rows = sorted({1, *(int(r) for r in args.rows.split(","))})
+        rows = sorted({*rows_always, *(int(r) for r in args.rows.split(","))})
     except ValueError:
         parser.error(f"--rows wants comma-separated integers, got {args.rows!r}")
     if rows[0] < 1 or args.repeats < 1:
         parser.error("--rows and --repeats must be positive")
     if not cpu_dot.available():
-        parser.error(f"this benchmark compares the few-row kernel with XLA's dots: {cpu_dot.status()}")
+        parser.error(f"this benchmark times the few-row kernel: {cpu_dot.status()}")
+    return args, rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args, rows = parse_dot_args(parser, argv, "bench_dots.json", repeats=20, rows_always=(1,))  # 1 row: the ratios
 
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(args.dtype)

@@ -82,13 +82,8 @@ def test_the_avx2_build_computes_the_same_products(tmp_path, monkeypatch):
     name, it gives the reference's product and the same bits for a row alone or among others."""
 
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
-    library = ctypes.cdll.LoadLibrary(str(cpu_dot._build(cpu_dot._compiler(), cpu_dot.AVX2_FLAGS)))
-    names = {}
-    for dtype, (target, symbol) in cpu_dot.FFI_TARGETS.items():
-        names[dtype] = target + "_avx2_test"
-        jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    avx2 = jax.jit(lambda x, p: jax.ffi.ffi_call(names[p.dtype.name], jax.ShapeDtypeStruct(
-        (x.shape[0], p.cols), jnp.float32))(x, p.panels))
+    targets = cpu_dot.register_build("_avx2_test", arch=cpu_dot.AVX2_FLAGS)
+    avx2 = jax.jit(lambda x, p: cpu_dot.fewrow_dot(x, p, targets))
     packed = cpu_dot.pack(_weight(96, 130))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((13, 96), dtype=np.float32))
     full = np.asarray(avx2(x, packed))
