@@ -13,6 +13,10 @@ the compiler, jax's version and the CPU).  Where it cannot be built, or with ``D
 ``available()`` is False (``status()`` says why) and programs keep XLA's dots; ``DTREE_JAX_CPU_DOT=avx2`` builds
 the AVX2 variant on a CPU with AVX-512 (to measure what hosts without AVX-512 run).  ``cpu_options`` packs the dense
 weights of CPU programs that bake their weights in; programs for accelerators never see it.
+
+The same library holds ``cpu_attention.cc``: ``tree_attention``, the XLA path's tree attention as one call a layer
+(about ten XLA ops and two transposed copies of the cache otherwise), which those programs run too
+(``models.kernels.cpu_attention``; ``DTREE_JAX_CPU_ATTENTION=0`` keeps XLA's).
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PANEL = 64  # columns per panel; cpu_dot.cc's kPanel
 FFI_TARGETS = {"float32": ("dtree_jax_cpu_fewrow_dot", "DtreeJaxFewRowDot"),  # panels' dtype -> (target, symbol)
                "bfloat16": ("dtree_jax_cpu_fewrow_dot_bf16", "DtreeJaxFewRowDotBf16")}
 SOURCE = Path(__file__).with_name("cpu_dot.cc")
+ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")  # built into the same library
+ATTENTION_TARGET = ("dtree_jax_cpu_tree_attention", "DtreeJaxTreeAttention")  # (FFI target, symbol)
+SOURCES = (SOURCE, ATTENTION_SOURCE)  # the library this process builds
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
 NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
 
@@ -98,6 +106,32 @@ def fewrow_dot(x: jax.Array, w: PackedWeight, targets: dict[str, str] | None = N
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels)
 
 
+def tree_attention(
+    q: jax.Array,  # [B, T, H, D] fp32 queries, RoPE applied
+    k: jax.Array,  # [B, S, Hkv, D] fp32 key cache (new tokens written at [lens, lens + T))
+    v: jax.Array,  # [B, S, Hkv, D] fp32 value cache
+    lens: jax.Array,  # [B] int32 committed length before the T new tokens
+    local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
+    scale: float,
+) -> jax.Array:  # [B, T, H, D] fp32
+    """``pallas_kernels.tree_attention.reference_tree_attention`` (no ``window``) as one call of
+    ``cpu_attention.cc`` (``available()`` must be True where the program is compiled and run): a query's output
+    depends on its visible rows alone, in cache order.  ``attends(q, k)`` says which shapes it takes."""
+    if not attends(q, k) or v.shape != k.shape:
+        raise ValueError(f"cpu_attention: fp32 q {q.shape} / k {k.shape} / v {v.shape} it cannot take")
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET[0], out)(
+        q, k, v, jnp.asarray(lens, jnp.int32), jnp.asarray(local_mask, bool), scale=np.float32(scale))
+
+
+def attends(q: jax.Array, k: jax.Array) -> bool:
+    """Whether ``tree_attention`` takes queries ``q [B, T, H, D]`` against a cache ``k [B, S, Hkv, D]``: both
+    fp32, ``H / Hkv`` whole and at most 16, ``D`` a multiple of 8."""
+    (b, _, h, d), (bk, _, hkv, dk) = q.shape, k.shape
+    return (q.dtype == k.dtype == jnp.float32 and b == bk and d == dk and d % 8 == 0 and hkv > 0 and h % hkv == 0
+            and h // hkv <= 16)
+
+
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
     """Pure-jnp ``fewrow_dot`` (the same product, XLA's summation order)."""
     return jnp.matmul(x.astype(jnp.float32), unpack(w).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
@@ -140,11 +174,11 @@ def _cpu_fingerprint() -> str:
     return "\n".join(keep) or platform.processor() or platform.machine()
 
 
-def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, source: Path = SOURCE) -> Path:
-    """The shared library for ``source``, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
+def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The shared library for ``sources``, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
     into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [source.read_bytes(), version.encode(), " ".join(arch).encode(), jax.__version__.encode(),
+    parts = [*(source.read_bytes() for source in sources), version.encode(), " ".join(arch).encode(), jax.__version__.encode(),
              _cpu_fingerprint().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     lib = _cache_dir() / f"cpu_dot-{key}.so"
@@ -154,7 +188,7 @@ def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, source: Path = S
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         built = Path(tmp) / lib.name
         cmd = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
+               f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -183,14 +217,21 @@ def _load() -> tuple[bool, str]:
     if compiler is None:
         return False, "XLA's dots (no C++ compiler found to build the few-row kernel; set CXX)"
     arch = AVX2_FLAGS if choice == "avx2" else NATIVE_FLAGS
+
+    def register(lib: Path) -> None:
+        library = ctypes.cdll.LoadLibrary(str(lib))
+        attention = getattr(library, ATTENTION_TARGET[1])  # found before anything is registered
+        _register(library)
+        jax.ffi.register_ffi_target(ATTENTION_TARGET[0], jax.ffi.pycapsule(attention), platform="cpu")
+
     try:
         lib = _build(compiler, arch)
         try:
-            _register(ctypes.cdll.LoadLibrary(str(lib)))
+            register(lib)
         except (OSError, AttributeError):  # a cached library that does not load (truncated, foreign): rebuilt once
             lib.unlink(missing_ok=True)
             lib = _build(compiler, arch)
-            _register(ctypes.cdll.LoadLibrary(str(lib)))
+            register(lib)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         return False, f"XLA's dots (the few-row kernel did not build here: {err})"
     return True, f"the few-row kernel ({lib.name}{', AVX2' if choice == 'avx2' else ''})"
@@ -203,7 +244,7 @@ def register_build(suffix: str, source: Path = SOURCE, arch: tuple[str, ...] = N
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found to build the few-row kernel; set CXX")
-    return _register(ctypes.cdll.LoadLibrary(str(_build(compiler, arch, source))), suffix)
+    return _register(ctypes.cdll.LoadLibrary(str(_build(compiler, arch, (source,)))), suffix)
 
 
 def available() -> bool:

@@ -12,7 +12,8 @@ go to ``Lowered.compile`` per program, never to ``XLA_FLAGS``, so programs for a
 
 Where the weights are baked in and ``cpu_dot`` builds on this machine, the dense weights (``DENSE_FIELDS``) are
 baked as ``cpu_dot.PackedWeight`` panels and their dots run the few-row kernel instead of YNNPACK: on our Intel
-hosts 5 / 9 rows cost 1.4x / 1.9x one row with YNNPACK and less with the kernel (``experiments/bench_round.py``).
+hosts 5 / 9 rows cost 1.4x / 1.9x one row with YNNPACK and less with the kernel (``experiments/bench_round.py``);
+their attention runs ``cpu_dot.tree_attention``, one FFI call a layer instead of about ten XLA ops.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import Callable
 
 import jax
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 from dtree_jax import cpu_dot
 from dtree_jax.models.decoder import DecoderParams
+from dtree_jax.models import kernels
 from dtree_jax.models.drafter import DrafterParams
 from dtree_jax.models.layers import DenseMLP, LayerParams
 from dtree_jax.models.qwen3_5 import AttnParams, GDNParams, Qwen35Params
@@ -39,6 +42,7 @@ OPTION_SETS: dict[str, dict[str, str]] = {
     "onednn": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
 }
 BAKED_OPTIONS = OPTION_SETS["ynn"]
+ATTENTION_ENV = "DTREE_JAX_CPU_ATTENTION"  # "0": programs on the kernel's dots keep XLA's attention
 BAKE_LIMIT_BYTES = 2 << 30  # weights above this stay arguments (each baked program holds a copy)
 # The params fields the models use only as ``x @ w`` (or ``cpu_dot.matmul_fp32``): packed for the kernel.
 DENSE_FIELDS = {
@@ -84,11 +88,18 @@ def no_persistent_cache():
         compilation_cache.reset_cache()
 
 
-def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = None) -> Callable:
+def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = None,
+                  attention: bool | None = None) -> Callable:
     """``fn(*weights, *args)`` compiled for this CPU with ``weights`` (pytrees of arrays) as constants and
-    ``options`` (default ``BAKED_OPTIONS``); returns the compiled program, called with ``args`` alone."""
+    ``options`` (default ``BAKED_OPTIONS``); returns the compiled program, called with ``args`` alone.  With
+    ``attention`` (default: where ``weights`` hold ``cpu_dot.PackedWeight``s, unless ``DTREE_JAX_CPU_ATTENTION=0``)
+    its attention runs ``cpu_dot.tree_attention`` where that takes the shapes (``models.kernels.cpu_attention``)."""
     options = BAKED_OPTIONS if options is None else options
-    with no_persistent_cache():
+    if attention is None:
+        attention = os.environ.get(ATTENTION_ENV, "1") != "0" and any(
+            isinstance(w, cpu_dot.PackedWeight)
+            for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, cpu_dot.PackedWeight)))
+    with no_persistent_cache(), kernels.cpu_attention(attention):
         return jax.jit(functools.partial(fn, *weights)).lower(*args).compile(compiler_options=options)
 
 

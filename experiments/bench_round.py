@@ -87,6 +87,8 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     # + the dense weights packed for the few-row kernel (cpu_dot): what dtree_jax compiles CPU generations with
     # where the kernel builds
     "baked+kernel+vocab": (True, OPTION_SETS["ynn"]),
+    # the same with XLA's attention: what ran before cpu_dot.tree_attention
+    "baked+kernel+xattn+vocab": (True, OPTION_SETS["ynn"]),
     # the same, with bf16 weights (the shipped drafter's) on fp32 panels: what ran before bf16 panels
     "baked+kernel32+vocab": (True, OPTION_SETS["ynn"]),
 }
@@ -113,7 +115,8 @@ def compile_piece(fn, args: tuple, weights: tuple, mode: str, baked_as: tuple):
         values = cpu_options.pack_dense(jax.tree.map(widen, values))
     elif "+kernel" in mode:
         values = cpu_options.pack_dense(values)
-    return cpu_options.compile_baked(call, values, *others, options=options), others
+    attention = False if "+xattn" in mode else None
+    return cpu_options.compile_baked(call, values, *others, options=options, attention=attention), others
 
 
 def compile_all(named: dict, weights: tuple, mode: str, baked_as: tuple) -> dict:

@@ -127,6 +127,31 @@ def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
     assert (x @ packed16).dtype == jnp.float32  # an fp32 input: fp32, as x @ w
 
 
+def round_compiler(target, draft, method, monkeypatch):
+    """``compile(**options)``: the HLO text of ``method``'s round (budget 6, one prompt) compiled by
+    ``cpu_options.compile_here`` as generations compile it (``options`` go to ``compile_baked``)."""
+    knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
+                 stop_ids=(), top_k=0, top_p=1.0)
+    spec = api.make_spec(target, draft, method, **knobs)
+    inputs = (jnp.asarray([PROMPTS[0]], jnp.int32), jnp.asarray([len(PROMPTS[0])], jnp.int32), api.request_keys(0, 1),
+              jnp.float32(0))
+    dp = draft.params if spec.record.drafts else None
+    state = loop.prefill_on_device(spec, target.params, dp, *inputs)
+
+    def compile(**options) -> str:
+        compiled = []
+        compile_baked = cpu_options.compile_baked
+        monkeypatch.setattr(cpu_options, "compile_baked",
+                            lambda *a, **k: compiled.append(compile_baked(*a, **k, **options)))
+        cpu_options.compile_here(loop.decode_round, spec, (target.params, dp), inputs[-1], state,
+                                 bake=functools.partial(loop.unshared_heads, spec))
+        monkeypatch.setattr(cpu_options, "compile_baked", compile_baked)
+        (program,) = compiled
+        return program.as_text()
+
+    return compile
+
+
 def _assert_baked_equals_arguments(target, draft, method, monkeypatch):
     """The baked generation (the kernel's dots) gives the tokens and rounds of the argument program (XLA's)."""
     monkeypatch.setattr(running, "COMPILED", collections.OrderedDict())
@@ -147,25 +172,10 @@ def test_baked_generations_run_the_kernel_with_the_same_tokens(models, method, m
     call to it (control)."""
     _, target, draft = models
     _assert_baked_equals_arguments(target, draft, method, monkeypatch)
-
-    knobs = dict(budget=6, node_topk=4, corr_topm=None, max_depth=None, max_new_tokens=8, prompt_bucket=16,
-                 stop_ids=(), top_k=0, top_p=1.0)
-    spec = api.make_spec(target, draft, method, **knobs)
-    inputs = (jnp.asarray([PROMPTS[0]], jnp.int32), jnp.asarray([len(PROMPTS[0])], jnp.int32), api.request_keys(0, 1),
-              jnp.float32(0))
-    dp = draft.params if spec.record.drafts else None
-    state = loop.prefill_on_device(spec, target.params, dp, *inputs)
+    compile_round = round_compiler(target, draft, method, monkeypatch)
 
     def kernel_calls() -> int:
-        compiled = []
-        compile_baked = cpu_options.compile_baked
-        monkeypatch.setattr(cpu_options, "compile_baked", lambda *a, **k: compiled.append(compile_baked(*a, **k)))
-        cpu_options.compile_here(loop.decode_round, spec, (target.params, dp), inputs[-1], state,
-                                 bake=functools.partial(loop.unshared_heads, spec))
-        monkeypatch.setattr(cpu_options, "compile_baked", compile_baked)
-        (program,) = compiled
-        return sum(target in line for line in program.as_text().splitlines()
-                   for target, _ in cpu_dot.FFI_TARGETS.values())
+        return sum(target in line for line in compile_round().splitlines() for target, _ in cpu_dot.FFI_TARGETS.values())
 
     assert kernel_calls() > 0
     monkeypatch.setitem(cpu_dot._state, "ok", False)

@@ -7,9 +7,16 @@ and nowhere else; a fixed value makes the traced program the same on any machine
 real TPU or GPU program (``jit(...).trace(...).lower(lowering_platforms=...)``).
 
 Where a kernel has no version for a platform, the XLA path runs there on purpose (``KERNELS``).
+
+On the CPU the XLA path's attention may instead run ``dtree_jax.cpu_dot.tree_attention`` (one FFI call a layer):
+programs traced inside ``cpu_attention()`` do, where it takes the shapes (``cpu_options.compile_baked`` traces the
+programs whose dense dots run the few-row kernel there).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 
@@ -44,6 +51,26 @@ def kernel_choice(op: str, cfg) -> str:
     return KERNELS[op][kernel_platform(cfg)]
 
 
+_CPU_ATTENTION = contextvars.ContextVar("dtree_jax_cpu_attention", default=False)
+
+
+@contextlib.contextmanager
+def cpu_attention(enabled: bool = True):
+    """Programs traced inside, with ``attention_impl="xla"`` on the CPU, run the XLA path's attention as
+    ``cpu_dot.tree_attention`` where it takes the shapes (``cpu_attention_wanted``)."""
+    token = _CPU_ATTENTION.set(enabled)
+    try:
+        yield
+    finally:
+        _CPU_ATTENTION.reset(token)
+
+
+def cpu_attention_wanted(cfg) -> bool:
+    """Whether ``cfg``'s attention, traced now, should run ``cpu_dot.tree_attention``: inside ``cpu_attention()``,
+    for the XLA path on the CPU."""
+    return _CPU_ATTENTION.get() and kernel_choice("tree_attention", cfg) == "xla" and kernel_platform(cfg) == "cpu"
+
+
 def moe_grouping(cfg, tokens: int) -> str:
     """How ``models.moe.moe_mlp`` runs ``tokens`` tokens' routed experts for ``cfg``: "ragged" (grouped GEMM) on
     GPU; on TPU and CPU "gather" while the token-expert pairs are no more than the experts, else "dense".
@@ -64,4 +91,4 @@ def attention_kwargs(cfg) -> dict:
 
 
 __all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice", "moe_grouping",
-           "attention_kwargs"]
+           "attention_kwargs", "cpu_attention", "cpu_attention_wanted"]

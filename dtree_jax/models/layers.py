@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
 from dtree_jax.models.config import Llama3RoPE, DecoderConfig, repeat_kv
-from dtree_jax.models.kernels import attention_kwargs
+from dtree_jax.models.kernels import attention_kwargs, cpu_attention_wanted
 from dtree_jax.models.sharding import axes
 from pallas_kernels.tree_attention import reference_tree_attention
 
@@ -307,10 +307,16 @@ def attend(
 ) -> jax.Array:  # [B, T, Hq, D]
     """Tree attention dispatched on ``cfg.attention_impl`` and ``cfg.kernel_platform`` by
     ``models.kernels.attention_kwargs`` (the Pallas kernel is imported lazily; under a mesh it runs per shard,
-    ``sharding.head_plan``); ``window`` as in ``reference_tree_attention`` (sliding-window drafter layers)."""
+    ``sharding.head_plan``; the XLA path runs ``cpu_dot.tree_attention`` where ``cpu_attention_wanted``);
+    ``window`` as in ``reference_tree_attention`` (sliding-window drafter layers)."""
     scale = cfg.head_dim**-0.5
     kw = attention_kwargs(cfg)
     if kw["backend"] == "xla":
+        if window is None and cpu_attention_wanted(cfg):
+            from dtree_jax import cpu_dot
+
+            if cpu_dot.attends(q, k):
+                return cpu_dot.tree_attention(q, k, v, lens, local_mask, scale).astype(q.dtype)
         return reference_tree_attention(q, k, v, lens, local_mask, scale=scale, window=window)
     from pallas_kernels.tree_attention import tree_attention
 
