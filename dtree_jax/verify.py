@@ -60,6 +60,20 @@ def filter_logits(logits: jax.Array, temperature, top_k: int = 0, top_p: float =
     return x
 
 
+def first_argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
+    """``jnp.argmax(x, -1)``: the first index of the largest value (of the first NaN where there is one).  On the
+    CPU as a max, then a min over the indices that reach it: two vectorised reductions, where XLA:CPU's argmax (one
+    reduction over value-index pairs) took 1.1-1.8 ms against 0.5-0.7 for SmolLM2's 9-node verify logits [9,
+    49152] on our 2-core Intel host; other platforms keep ``jnp.argmax``."""
+
+    def two_passes(x):
+        hit = (x == jnp.max(x, -1, keepdims=True)) | jnp.isnan(x)
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return jnp.min(jnp.where(hit, index, x.shape[-1]), -1)
+
+    return jax.lax.platform_dependent(x, cpu=two_passes, default=lambda x: jnp.argmax(x, -1).astype(jnp.int32))
+
+
 def sample_tokens(key: jax.Array, logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0):
     """One token per row of ``logits [..., V]``: argmax when ``temperature`` <= 0, else a sample from the
     filtered softmax.  ``temperature`` may be a traced scalar: ``lax.cond`` then runs only the branch it
@@ -67,7 +81,7 @@ def sample_tokens(key: jax.Array, logits: jax.Array, temperature, top_k: int = 0
     request (``[B]`` for ``logits [B, ..., V]``: each request draws from its own stream)."""
 
     def greedy(logits):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
 
     def sampled(logits):
         filtered = filter_logits(logits, temperature, top_k, top_p)

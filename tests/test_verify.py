@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from dtree_jax.demo import CARD_TREE_PATHS
 from dtree_jax.tree import tree_from_paths
 from dtree_jax.models.cache import compact_kv
-from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, filter_logits
+from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, filter_logits, first_argmax
 
 
 def walk(parents, tokens, target_next):
@@ -274,3 +274,18 @@ def test_compaction_moves_exactly_the_accepted_entries(case, len0, len1):
 def test_compaction_shape_errors():
     with pytest.raises(ValueError):
         compact_kv({"k": np.zeros((2, 8))}, np.zeros(3, np.int32), np.zeros((2, 4), np.int32), np.ones(2, np.int32))
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_nans_and_infinities():
+    """The CPU's two-reduction argmax gives ``jnp.argmax``'s index: the first of tied maxima, the first NaN, 0
+    for a row of -inf (control: ties are really there, so a last-index rule would differ)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (6, 9, 300)).astype(np.float32)  # many ties
+    x[0, 0, 5] = x[0, 0, 200] = np.nan
+    x[1, 1] = -np.inf
+    x[2, 2, [7, 99]] = np.inf
+    got = jax.jit(first_argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), -1))
+    assert got.dtype == jnp.int32 and got[0, 0] == 5 and got[1, 1] == 0 and got[2, 2] == 7
+    last = x.shape[-1] - 1 - np.argmax(x[..., ::-1], -1)
+    assert (last != np.asarray(got)).any()
