@@ -15,15 +15,13 @@
 // Hkv query heads that share a kv head read each cache row once; the (query, kv head) pairs are split across XLA's
 // intra-op thread pool.
 
-#include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
+#include "cpu_threads.h"
 
 namespace ffi = xla::ffi;
 constexpr int kLanes = 8;       // a dot's partial sums (D must be a multiple)
@@ -144,12 +142,6 @@ static void attend_one(const Shapes& z, const float* q, const float* k, const fl
                                                           inv[g], o + g * D + c, std::min<int64_t>(kChunk, D - c));
 }
 
-// Units handed out to the threads; shared with tasks that may start after the call has returned.
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::PRED> mask,
                                 float scale, ffi::ResultBuffer<ffi::F32> out) {
@@ -169,22 +161,14 @@ static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
   int64_t units = z.B * z.T * z.Hkv;  // (b, t, kv), kv fastest
-  auto run = [=](int64_t u) { attend_one(z, qp, kp, vp, lp, mp, scale, op, u / (z.T * z.Hkv), u / z.Hkv % z.T, u % z.Hkv); };
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (threads <= 1 || units <= 1 || units * z.S * z.H * z.D < (int64_t{1} << 16)) {  // too small to split
-    for (int64_t u = 0; u < units; ++u) run(u);
-    return ffi::Error::Success();
-  }
-  auto progress = std::make_shared<Progress>();
-  auto work = [=](Progress& s) {
-    for (int64_t u; (u = s.next.fetch_add(1)) < units;) {
-      run(u);
-      s.done.fetch_add(1, std::memory_order_release);
-    }
+  auto run = [=](int64_t u) {
+    attend_one(z, qp, kp, vp, lp, mp, scale, op, u / (z.T * z.Hkv), u / z.Hkv % z.T, u % z.Hkv);
   };
-  for (int64_t t = 1; t < std::min(threads, units); ++t) pool.Schedule([progress, work] { work(*progress); });
-  work(*progress);
-  while (progress->done.load(std::memory_order_acquire) < units) _mm_pause();  // units running elsewhere
+  if (pool.num_threads() <= 1 || units <= 1 || units * z.S * z.H * z.D < (int64_t{1} << 16)) {  // too small to split
+    for (int64_t u = 0; u < units; ++u) run(u);
+  } else {
+    share_out(pool, units, run);
+  }
   return ffi::Error::Success();
 }
 

@@ -16,11 +16,10 @@
 
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <type_traits>
 #include "xla/ffi/api/ffi.h"
+#include "cpu_threads.h"
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "dtree-jax's CPU dot needs AVX-512F, or AVX2 with FMA"
@@ -170,12 +169,6 @@ static void rows(const float* x, int64_t M, int64_t K, const W* w, float* out, i
   }
 }
 
-// Chunks of panels handed out to the threads; shared with tasks that may start after the call has returned.
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 template <ffi::DataType kWeights>
 static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeights> w,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -197,16 +190,9 @@ static ffi::Error FewRowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     rows(xp, M, K, wp, op, N, 0, P);
     return ffi::Error::Success();
   }
-  auto progress = std::make_shared<Progress>();
-  auto work = [=](Progress& s) {
-    for (int64_t i; (i = s.next.fetch_add(1)) < chunks;) {
-      rows(xp, M, K, wp, op, N, i * per_chunk, std::min(P, (i + 1) * per_chunk));
-      s.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([progress, work] { work(*progress); });
-  work(*progress);
-  while (progress->done.load(std::memory_order_acquire) < chunks) _mm_pause();  // chunks running elsewhere
+  share_out(pool, chunks, [=](int64_t i) {
+    rows(xp, M, K, wp, op, N, i * per_chunk, std::min(P, (i + 1) * per_chunk));
+  });
   return ffi::Error::Success();
 }
 

@@ -43,6 +43,7 @@ SOURCE = Path(__file__).with_name("cpu_dot.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")  # built into the same library
 ATTENTION_TARGET = ("dtree_jax_cpu_tree_attention", "DtreeJaxTreeAttention")  # (FFI target, symbol)
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # the library this process builds
+HEADER = Path(__file__).with_name("cpu_threads.h")  # included by both (the thread pool's work sharing)
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
 NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
 
@@ -178,8 +179,8 @@ def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, sources: tuple[P
     """The shared library for ``sources``, compiler, ``arch`` flags, jax and CPU: from the cache, else compiled
     into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_bytes() for source in sources), version.encode(), " ".join(arch).encode(), jax.__version__.encode(),
-             _cpu_fingerprint().encode()]
+    parts = [*(source.read_bytes() for source in (*sources, HEADER)), version.encode(), " ".join(arch).encode(),
+             jax.__version__.encode(), _cpu_fingerprint().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     lib = _cache_dir() / f"cpu_dot-{key}.so"
     if lib.exists():
@@ -188,7 +189,7 @@ def _build(compiler: str, arch: tuple[str, ...] = NATIVE_FLAGS, sources: tuple[P
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         built = Path(tmp) / lib.name
         cmd = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", str(built)]
+               f"-I{jax.ffi.include_dir()}", f"-I{HEADER.parent}", *map(str, sources), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

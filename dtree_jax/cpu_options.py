@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from dtree_jax import cpu_dot
-from dtree_jax.models.decoder import DecoderParams
 from dtree_jax.models import kernels
+from dtree_jax.models.decoder import DecoderParams
 from dtree_jax.models.drafter import DrafterParams
 from dtree_jax.models.layers import DenseMLP, LayerParams
 from dtree_jax.models.qwen3_5 import AttnParams, GDNParams, Qwen35Params
@@ -88,6 +88,12 @@ def no_persistent_cache():
         compilation_cache.reset_cache()
 
 
+def kernel_attention() -> bool:
+    """Whether programs on the few-row kernel's dots run ``cpu_dot.tree_attention`` too (unless
+    ``DTREE_JAX_CPU_ATTENTION=0``)."""
+    return os.environ.get(ATTENTION_ENV, "1") != "0"
+
+
 def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = None,
                   attention: bool | None = None) -> Callable:
     """``fn(*weights, *args)`` compiled for this CPU with ``weights`` (pytrees of arrays) as constants and
@@ -96,7 +102,7 @@ def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = No
     its attention runs ``cpu_dot.tree_attention`` where that takes the shapes (``models.kernels.cpu_attention``)."""
     options = BAKED_OPTIONS if options is None else options
     if attention is None:
-        attention = os.environ.get(ATTENTION_ENV, "1") != "0" and any(
+        attention = kernel_attention() and any(
             isinstance(w, cpu_dot.PackedWeight)
             for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, cpu_dot.PackedWeight)))
     with no_persistent_cache(), kernels.cpu_attention(attention):

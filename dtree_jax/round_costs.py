@@ -54,7 +54,7 @@ def program_key(spec: loop.Spec, batch: int, baked: bool) -> dict:
     fields = dataclasses.replace(spec, target=name(spec.target), drafter=name(spec.drafter), max_new_tokens=0,
                                  cache_len=0, stop_ids=(), budget=0, stream=False, mesh=None)
     dots = cpu_dot.status() if baked and spec.cpu_kernel else "xla"  # the few-row kernel (its build), or XLA's
-    if dots != "xla" and os.environ.get(cpu_options.ATTENTION_ENV, "1") == "0":
+    if dots != "xla" and not cpu_options.kernel_attention():
         dots += " + XLA's attention"
     return dict(spec=repr(fields), batch=batch, baked=baked, dots=dots, mesh=repr(spec.mesh), timing=TIMING)
 
