@@ -167,11 +167,11 @@ def draft(spec: Spec, tparams, dparams, state: DecodeState) -> builders.DraftRou
     """Drafter block for the current root: ph rows, base logits and the root's GRU state."""
     if not spec.record.drafts:
         return None
-    ph, base, root_state = spec.drafter.draft_round(
+    ph, base, root_state, vocab_ids = spec.drafter.draft_round(
         dparams, spec.drafter_cfg, spec.target, tparams, spec.target_cfg, state.dcache, state.lens, state.root,
         rows=spec.draft_depth,
     )
-    return builders.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root)
+    return builders.DraftRound(ph=ph, base=base, root_state=root_state, root=state.root, vocab_ids=vocab_ids)
 
 
 def build_tree(spec: Spec, tparams, dparams, rnd: builders.DraftRound | None, state: DecodeState) -> Tree:

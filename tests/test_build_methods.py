@@ -71,6 +71,40 @@ def test_a_tree_needs_no_draft_row_deeper_than_its_budget(method, budget):
     assert_same_tree(build_tree(method, cut, head, embed, **kw), build_tree(method, rnd, head, embed, **kw))
 
 
+@pytest.mark.parametrize("method,M,k,builder", [
+    ("dominotree", 16, 4, "frontier"), ("dominotree", 16, 4, "heap"), ("dominotree", 0, 4, "frontier"),
+    ("dominotree", 64, 4, "frontier"), ("dominotree", 0, 50, "frontier"), ("ddtree", 16, 4, "frontier"),
+    ("ddtree", 16, 50, "heap"), ("condstatic", 16, 4, "frontier"), ("domino", 0, 4, "frontier"),
+    ("dflash", 0, 4, "frontier"),
+])
+def test_a_draft_vocabulary_round_builds_the_tree_of_its_widened_round(method, M, k, builder):
+    """A round over a draft vocabulary (base ``[B, K, V']`` and its ``vocab_ids``, what the drafter's own head
+    gives) builds the tree of the same logits widened to ``V`` with -inf outside, the tokens mapped back to ids,
+    also where k or M exceed the V' = 40 tokens (clamped: the rest score -inf); the control (ids not the
+    columns' tokens) builds another tree."""
+    head, embed = tiny_model(2)
+    rnd = random_round(head, embed, seed=7, batch=3, depth=6)
+    ids = np.sort(np.random.default_rng(0).choice(V, size=40, replace=False)).astype(np.int32)
+    compact = DraftRound(rnd.ph, rnd.base[..., ids], rnd.root_state, rnd.root, vocab_ids=jnp.asarray(ids))
+    widened = DraftRound(rnd.ph, jnp.full_like(rnd.base, -jnp.inf).at[..., ids].set(rnd.base[..., ids]),
+                         rnd.root_state, rnd.root)
+    kw = dict(budget=12, node_topk=k, corr_topm=M, pure_draft_prefix_len=1, mask_token_id=MASK, builder=builder)
+    got = build_tree(method, compact, head, embed, **kw)
+    assert_same_tree(got, build_tree(method, widened, head, embed, **kw))
+    assert np.isin(np.asarray(got.tokens)[:, 1:], np.append(ids, MASK)).all()
+    shifted = DraftRound(rnd.ph, compact.base, rnd.root_state, rnd.root, vocab_ids=jnp.asarray((ids + 1) % V))
+    assert not np.array_equal(np.asarray(build_tree(method, shifted, head, embed, **kw).tokens),
+                              np.asarray(got.tokens))
+
+
+def test_draft_vocabulary_ids_must_match_the_columns():
+    head, embed = tiny_model(0)
+    rnd = random_round(head, embed, seed=1, batch=1, depth=3)
+    with pytest.raises(ValueError, match=r"vocab_ids must be \[V'\] = \[10\] \(base's columns\), got \(9,\)"):
+        build_tree("ddtree", DraftRound(rnd.ph, rnd.base[..., :10], rnd.root_state, rnd.root, vocab_ids=jnp.arange(9)),
+                   budget=4, mask_token_id=MASK)
+
+
 def test_lane_widths():
     assert lane_widths(16, 8, 16) == (1, 8, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1)
     assert lane_widths(2, 3, 5) == (1, 1)

@@ -173,7 +173,7 @@ def build_tree(
         raise ValueError(f"method {method!r} drafts nothing; expected one of {drafting}")
     if builder not in BUILDERS:
         raise ValueError(f"unknown builder {builder!r}; expected one of {BUILDERS}")
-    b, depth, vocab = _check_round(rnd, head, embed, needs_head=record.needs_head)
+    b, depth, width, vocab = _check_round(rnd, head, embed, needs_head=record.needs_head)
     max_depth = depth if max_depth is None else max_depth
     corr_topm = record.corr_topm if corr_topm is None else corr_topm
     knobs = {"budget": (budget, 1), "node_topk": (node_topk, 1), "max_depth": (max_depth, 1),
@@ -182,14 +182,17 @@ def build_tree(
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     budget, k, max_depth, M, pure_depths = (int(v) for v, _ in knobs.values())
-    if M > vocab:
-        raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {vocab}")
+    if rnd.vocab_ids is not None:  # every token outside a draft vocabulary scores -inf: never a candidate
+        M, k = min(M, width), min(k, width)
+    if M > width:
+        raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {width}")
     k = min(k, M) if M > 0 else k
-    if k > vocab:
-        raise ValueError(f"node_topk = {k} exceeds the vocabulary size {vocab}")
+    if k > width:
+        raise ValueError(f"node_topk = {k} exceeds the vocabulary size {width}")
     if record.tree:
-        if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < vocab:
-            raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}")
+        if (not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0
+                or (vocab is not None and mask_token_id >= vocab)):  # V is unknown: a DDTree draft vocabulary
+            raise ValueError(f"mask_token_id must be a token id in [0, {vocab or 'V'}), got {mask_token_id!r}")
         mask_token_id = int(mask_token_id)
     else:
         mask_token_id = None
@@ -202,29 +205,34 @@ def build_tree(
     )
 
 
-def _check_round(rnd: DraftRound, head, embed, *, needs_head: bool) -> tuple[int, int, int]:
-    """Validates shapes; returns (B, K, V)."""
+def _check_round(rnd: DraftRound, head, embed, *, needs_head: bool) -> tuple[int, int, int, int | None]:
+    """Validates shapes; returns (B, K, the columns of ``base`` (V, or V' over a draft vocabulary), V or None
+    where unknown: a draft vocabulary without the embedding table)."""
     ph, base = jnp.shape(rnd.ph), jnp.shape(rnd.base)
     if len(ph) != 3 or len(base) != 3 or ph[:2] != base[:2]:
         raise ValueError(f"need ph [B, K, H] and base [B, K, V] with matching B, K; got ph {ph}, base {base}")
     b, depth, hidden = ph
-    vocab = base[2]
-    if depth < 1 or vocab < 1:
+    width = base[2]
+    if depth < 1 or width < 1:
         raise ValueError(f"need K >= 1 draft rows and a non-empty vocabulary; got ph {ph}, base {base}")
     if jnp.shape(rnd.root) != (b,):
         raise ValueError(f"root must be [B] = [{b}], got {jnp.shape(rnd.root)}")
+    if rnd.vocab_ids is not None and jnp.shape(rnd.vocab_ids) != (width,):
+        raise ValueError(f"vocab_ids must be [V'] = [{width}] (base's columns), got {jnp.shape(rnd.vocab_ids)}")
+    vocab = width if rnd.vocab_ids is None else None
     if not needs_head:
-        return b, depth, vocab
+        return b, depth, width, vocab
     if head is None or embed is None:
         raise ValueError("the Domino methods need the DominoHead and the target embedding table")
     g = head.gru_dim
+    vocab = jnp.shape(embed)[0] if vocab is None else vocab
     if jnp.shape(embed) != (vocab, hidden):
         raise ValueError(f"embed must be [V, H] = [{vocab}, {hidden}], got {jnp.shape(embed)}")
-    if head.hidden_dim != hidden or jnp.shape(head.w2)[0] != vocab or jnp.shape(head.w1)[0] != hidden + g:
+    if head.hidden_dim != hidden or head.w2.shape[0] != vocab or head.w1.shape[0] != hidden + g:
         raise ValueError(
-            f"DominoHead does not fit H = {hidden}, V = {vocab}: w_ih {jnp.shape(head.w_ih)}, "
-            f"w1 {jnp.shape(head.w1)}, w2 {jnp.shape(head.w2)}"
+            f"DominoHead does not fit H = {hidden}, V = {vocab}: w_ih {head.w_ih.shape}, "
+            f"w1 {head.w1.shape}, w2 {head.w2.shape}"
         )
     if jnp.shape(rnd.root_state) != (b, g):
         raise ValueError(f"root_state must be [B, G] = [{b}, {g}], got {jnp.shape(rnd.root_state)}")
-    return b, depth, vocab
+    return b, depth, width, vocab

@@ -33,9 +33,12 @@ class DraftRound:
     """One round of drafter output (after the shift_label slice)."""
 
     ph: jax.Array  # [B, K, H] draft hidden rows; row d predicts tree depth d + 1
-    base: jax.Array  # [B, K, V] base logits = target lm_head(ph)
+    base: jax.Array  # [B, K, V] base logits = target lm_head(ph); [B, K, V'] over a draft vocabulary
     root_state: jax.Array  # [B, G] fp32 GRU state after the root token: gru_step(head, 0, embed[root])
     root: jax.Array  # [B] int32 root (last committed) token ids
+    # [V'] int32 sorted token ids of base's columns when the drafter proposes only a draft vocabulary (every
+    # other token's logit is -inf, so no scorer needs it: top-k runs over the V' columns); None: base spans all V
+    vocab_ids: jax.Array | None = None
 
     @property
     def batch(self) -> int:
@@ -46,20 +49,25 @@ class DraftRound:
         return self.ph.shape[1]
 
 
-def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:  # [..., V] -> ([..., k], [..., k] int32)
+def _top_k(
+    x: jax.Array, k: int, ids: jax.Array | None = None  # [..., V], [V] int32 token id of each column or None
+) -> tuple[jax.Array, jax.Array]:  # ([..., k], [..., k] int32 token ids)
     """Stable ``lax.top_k`` behind an optimisation barrier: when only slices of a top-k over a large
     vocabulary are used later, XLA:CPU otherwise rewrites it into a full sort (~100x slower at V = 151936).
-    Under a mesh the rows are gathered first (``sharding.whole_last_axis``)."""
+    Under a mesh the rows are gathered first (``sharding.whole_last_axis``).  With ``ids`` (sorted, so equal
+    values still keep the lower token id) the indices are mapped to token ids."""
     if jax.sharding.get_abstract_mesh().empty:
         vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, k))
     else:
         vals, idx = jax.lax.top_k(sharding.whole_last_axis(x), k)
-    return vals, idx.astype(jnp.int32)
+    idx = idx.astype(jnp.int32)
+    return vals, idx if ids is None else jnp.take(ids, idx)
 
 
-def _top_k_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:  # [..., V] -> 2x [..., k]
-    """Stable top-k of ``log_softmax(logits)`` in fp32: (indices int32, log-probs)."""
-    lp, idx = _top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+def _top_k_logprobs(logits: jax.Array, k: int, ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Stable top-k of ``log_softmax(logits [..., V])`` in fp32: (token ids [..., k] int32, log-probs); ``ids``
+    as for ``_top_k``."""
+    lp, idx = _top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k, ids)
     return idx, lp
 
 
@@ -106,7 +114,7 @@ class MenuScorer:
 
 def marginal_scorer(rnd: DraftRound, *, k: int) -> MenuScorer:
     """DDTree's factorised scorer: per depth, the top-k of the full-vocabulary ``log_softmax(base[:, d])``."""
-    return MenuScorer(*_top_k_logprobs(rnd.base, k))
+    return MenuScorer(*_top_k_logprobs(rnd.base, k, rnd.vocab_ids))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -134,6 +142,7 @@ class DominoScorer:
     w2c: jax.Array | None  # [B, K, M, E] fp32 W2 rows of the candidates, None for full vocabulary
     k: int = dataclasses.field(metadata=dict(static=True))
     pure_depths: int = dataclasses.field(metadata=dict(static=True))
+    vocab_ids: jax.Array | None = None  # [V'] int32 (``DraftRound.vocab_ids``): logits' columns when cand is None
 
     @property
     def num_depths(self) -> int:
@@ -152,7 +161,11 @@ class DominoScorer:
             return self.prefix.scores(d, state)
         ph = self.ph[:, d, None]  # [B, 1, H], broadcast over lanes
         if self.cand is None:
-            return _top_k_logprobs(corrected_logits(self.head, self.logits[:, d, None], ph, state), self.k)
+            head = self.head
+            if self.vocab_ids is not None:  # only the draft vocabulary's W2 rows (every other logit is -inf)
+                head = dataclasses.replace(head, w2=jnp.take(head.w2, self.vocab_ids, axis=0))
+            corr = corrected_logits(head, self.logits[:, d, None], ph, state)
+            return _top_k_logprobs(corr, self.k, self.vocab_ids)
         hid = correction_hidden(self.head, ph, state)  # [B, W, E]
         corr = self.logits[:, d, None] + jnp.einsum("bwe,bme->bwm", hid, self.w2c[:, d])  # [B, W, M]
         j, lp = _top_k_logprobs(corr, self.k)
@@ -185,13 +198,14 @@ def domino_scorer(
     ``k`` must already satisfy ``k <= M`` when ``M > 0`` (``build_tree`` clamps it).
     """
     base = rnd.base.astype(jnp.float32)
-    prefix = MenuScorer(*_top_k_logprobs(base[:, : min(pure_depths, rnd.num_depths)], k))
+    prefix = MenuScorer(*_top_k_logprobs(base[:, : min(pure_depths, rnd.num_depths)], k, rnd.vocab_ids))
     if M > 0:
-        logits, cand = _top_k(base, M)  # [B, K, M] of the uncorrected base, stable
+        logits, cand = _top_k(base, M, rnd.vocab_ids)  # [B, K, M] of the uncorrected base, stable
         w2c = jnp.take(head.w2, cand, axis=0).astype(jnp.float32)  # [B, K, M, E]
     else:
         logits, cand, w2c = base, None, None
-    return DominoScorer(head, embed, rnd.ph, rnd.root_state, prefix, logits, cand, w2c, k=k, pure_depths=pure_depths)
+    return DominoScorer(head, embed, rnd.ph, rnd.root_state, prefix, logits, cand, w2c, k=k, pure_depths=pure_depths,
+                        vocab_ids=rnd.vocab_ids)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ class DrafterParams:
     head: DominoHead | None  # None for a plain DFlash checkpoint
     # [H, V + OWN_HEAD_PAD] fp32: own copy of the target's head; [H, V'] over a draft vocabulary (with_own_head)
     lm_head: jax.Array | None = axes(None, "vocab", default=None)
-    # [V] int32 with a draft vocabulary: each token's column of lm_head, V' (a -inf column) for the tokens outside
-    vocab_columns: jax.Array | None = axes("vocab", default=None)
+    # [V'] int32 with a draft vocabulary: the (sorted) token id of each lm_head column
+    vocab_ids: jax.Array | None = axes("vocab", default=None)
 
 
 def config_from_hf(d: Mapping[str, Any], **overrides) -> DrafterConfig:
@@ -189,18 +189,20 @@ def draft_round(
     ctx_lens: jax.Array,  # [B] int32 context length (= the target's committed length)
     root: jax.Array,  # [B] int32 last committed token
     rows: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # (ph [B, K', H], base [B, K', V] fp32, root_state [B, G] fp32)
-    """Everything a round's tree builder needs from the drafter: the draft rows ``ph``, their base logits
-    (``scale_logits`` of the target's lm_head) and the Domino GRU state after the root's embedding (``[B, 1]``
-    zeros for a plain DFlash drafter).  ``rows``: keep only the first ``K' = min(rows, K)`` draft rows (the
-    depths the round's tree can reach), so the vocabulary-wide head runs on no other row; None keeps all K."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Everything a round's tree builder needs from the drafter: the draft rows ``ph [B, K', H]``, their base
+    logits ``[B, K', V]`` fp32 (``scale_logits`` of the target's lm_head), the Domino GRU state ``[B, G]`` fp32
+    after the root's embedding (``[B, 1]`` zeros for a plain DFlash drafter) and, with a draft vocabulary, its
+    token ids ``[V']`` (the base logits then hold only their columns, ``[B, K', V']``; else None).  ``rows``:
+    keep only the first ``K' = min(rows, K)`` draft rows (the depths the round's tree can reach), so the
+    vocabulary-wide head runs on no other row; None keeps all K."""
     ph = draft_rows(draft_block(params, cfg, target, target_params, cache, ctx_lens, root), cfg)[:, :rows]
     base = scale_logits(cfg, head_logits(params, cfg, target, target_params, target_cfg, ph))
     if params.head is None:
-        return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32)
+        return ph, base, jnp.zeros((root.shape[0], 1), jnp.float32), params.vocab_ids
     embed_root = target.embed(target_params, root)
     zeros = jnp.zeros(embed_root.shape[:-1] + (params.head.gru_dim,), jnp.float32)
-    return ph, base, gru_step(params.head, zeros, embed_root)
+    return ph, base, gru_step(params.head, zeros, embed_root), params.vocab_ids
 
 
 def tree_inputs(params: DrafterParams, cfg: DrafterConfig, target, target_params) -> dict:
@@ -253,7 +255,7 @@ def with_own_head(params: DrafterParams, cfg: DrafterConfig, target, target_para
                   vocab: DraftVocab | None = None) -> DrafterParams:
     """``params`` with their own copy of the target's output head, ``[H, V + OWN_HEAD_PAD]`` fp32 (zero columns
     past ``V``), read back through ``target.lm_head`` (a linear map, so ``lm_head(I)`` is its matrix); with a
-    draft ``vocab``, only its columns ``[H, V']`` and ``vocab_columns`` (``head_logits`` puts them back in place).
+    draft ``vocab``, only its columns ``[H, V']`` and their token ids ``vocab_ids``.
 
     For programs that bake the weights in (``cpu_options``): XLA:CPU packs a constant weight for a dot once, at
     compile time, only when no other dot shares it, and merges identical constants; the draft and the verify both
@@ -264,23 +266,19 @@ def with_own_head(params: DrafterParams, cfg: DrafterConfig, target, target_para
     if vocab is None:
         return dataclasses.replace(params, lm_head=jnp.pad(head, ((0, 0), (0, OWN_HEAD_PAD))))
     ids = np.asarray(vocab.ids, np.int32)
-    columns = np.full(head.shape[1], ids.size, np.int32)
-    columns[ids] = np.arange(ids.size, dtype=np.int32)
-    return dataclasses.replace(params, lm_head=head[:, ids], vocab_columns=jnp.asarray(columns))
+    return dataclasses.replace(params, lm_head=head[:, ids], vocab_ids=jnp.asarray(ids))
 
 
 def head_logits(
     params: DrafterParams, cfg: DrafterConfig, target, target_params, target_cfg, ph: jax.Array  # [..., H]
-) -> jax.Array:  # [..., V] fp32
+) -> jax.Array:  # [..., V] fp32, or [..., V'] with a draft vocabulary
     """The target's output head on the draft rows: the drafter's own copy when it holds one, else the target's;
-    with a draft vocabulary, -inf for every token outside it (a gather: XLA:CPU's scatter is far slower)."""
+    with a draft vocabulary only its ``V'`` columns (``params.vocab_ids``' tokens; never widened to ``V``: the
+    scorers take their top-k over these columns)."""
     if params.lm_head is None:
         return target.lm_head(target_params, target_cfg, ph)
     logits = cpu_dot.matmul_fp32(ph, params.lm_head)
-    if params.vocab_columns is None:
-        return logits[..., : cfg.model.vocab_size]
-    outside = jnp.full(logits.shape[:-1] + (1,), -jnp.inf, jnp.float32)
-    return jnp.take(jnp.concatenate([logits, outside], axis=-1), params.vocab_columns, axis=-1)
+    return logits if params.vocab_ids is not None else logits[..., : cfg.model.vocab_size]
 
 
 def scale_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:  # [..., V] fp32 -> [..., V] fp32

@@ -62,9 +62,10 @@ class DrafterModel(Protocol):
 
     def draft_round(self, params: Any, cfg: Any, target: TargetModel, target_params: Any, target_cfg: Any,
                     cache: Any, ctx_lens: jax.Array, root: jax.Array, rows: int | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """One round's draft after the committed ``root [B]``: ``(ph [B, K, H], base logits [B, K, V] fp32,
-        root_state [B, G])``, the scorers' inputs (``builders.DraftRound``)."""
+        root_state [B, G], vocab_ids)``, the scorers' inputs (``builders.DraftRound``); with a draft vocabulary
+        ``vocab_ids [V']`` are its token ids and the base logits only their columns ``[B, K, V']``, else None."""
 
     def tree_inputs(self, params: Any, cfg: Any, target: TargetModel, target_params: Any) -> dict:
         """The rest of ``builders.build_tree``'s inputs: ``head``, ``embed``, ``pure_draft_prefix_len``,
