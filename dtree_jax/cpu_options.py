@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from dtree_jax import cpu_dot
 from dtree_jax.models import kernels
 from dtree_jax.models.decoder import DecoderParams
+from dtree_jax.models.domino_head import DominoHead
 from dtree_jax.models.drafter import DrafterParams
 from dtree_jax.models.layers import DenseMLP, LayerParams
 from dtree_jax.models.qwen3_5 import AttnParams, GDNParams, Qwen35Params
@@ -50,6 +51,7 @@ DENSE_FIELDS = {
     DenseMLP: ("w_gate", "w_up", "w_down"),
     DecoderParams: ("lm_head",),
     DrafterParams: ("fc", "lm_head"),
+    DominoHead: ("w_ih", "w_hh", "w1"),  # the Domino GRU and its correction's first layer (builder dots)
     AttnParams: ("wq", "wk", "wv", "wo"),  # the hybrid targets' full-attention layers
     GDNParams: ("w_qkv", "w_z", "w_b", "w_a", "w_out"),  # and their Gated DeltaNet layers
     Qwen35Params: ("lm_head",),

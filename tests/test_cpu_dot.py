@@ -14,7 +14,7 @@ import pytest
 
 from dtree_jax import api, cpu_dot, cpu_options, loop, running
 from dtree_jax.api import generate
-from dtree_jax.models import decoder, qwen3_5
+from dtree_jax.models import decoder, domino_head, qwen3_5
 from tests.test_decode import PROMPTS, models  # noqa: F401, F811  (the module's tiny target and Domino drafter)
 
 # Every machine of our kind builds it (x86-64 with AVX-512 or AVX2 + FMA, a C++ compiler); elsewhere XLA's dots run.
@@ -102,6 +102,15 @@ def test_pack_dense_packs_the_dense_weights_and_keeps_the_forward(models):
     assert all(isinstance(getattr(layer, f), cpu_dot.PackedWeight) for f in ("wq", "wk", "wv", "wo", "w_up"))
     assert isinstance(layer.attn_norm, jax.Array) and packed.embed is target.params.embed
     assert isinstance(cpu_options.pack_dense(draft.params).fc, cpu_dot.PackedWeight)
+    head, unpacked = cpu_options.pack_dense(draft.params).head, draft.params.head
+    assert all(isinstance(getattr(head, f), cpu_dot.PackedWeight) for f in ("w_ih", "w_hh", "w1"))
+    state = jax.random.normal(jax.random.key(1), (3, 5, head.gru_dim))  # the GRU and the correction: same values
+    emb = target.params.embed[jnp.asarray(PROMPTS[1][:5])]
+    ph = jax.random.normal(jax.random.key(2), (3, 1, head.hidden_dim))
+    for fn, args in ((domino_head.gru_step, (state, emb)), (domino_head.correction_hidden, (ph, state))):
+        got, want = jax.jit(fn)(head, *args), jax.jit(fn)(unpacked, *args)
+        assert got.shape == want.shape == (3, 5, want.shape[-1])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
     prefill = jax.jit(lambda params: decoder.prefill(params, target.cfg, tokens,
                                                       decoder.init_cache(target.cfg, 1, 16), None, taps=(0, 1)))

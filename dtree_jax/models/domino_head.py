@@ -2,7 +2,8 @@
 run over the target's embeddings of the tokens on the draft path (PyTorch gate order r, z, n).
 
 Weights are stored ``[in, out]`` except ``w2`` which is ``[V, E]`` (a row per token, so the top-M candidate
-rows can be gathered).  HF keys: ``prefix_gru.weight_ih_l0 [3G, H]`` -> ``w_ih.T``,
+rows can be gathered).  Programs that bake their weights in on a CPU hold ``w_ih``, ``w_hh`` and ``w1`` as
+``cpu_dot.PackedWeight`` (``cpu_options.pack_dense``), so the GRU's few-row dots run the few-row kernel.  HF keys: ``prefix_gru.weight_ih_l0 [3G, H]`` -> ``w_ih.T``,
 ``prefix_gru.weight_hh_l0 [3G, G]`` -> ``w_hh.T``, ``embed_proj.0.weight [E, H+G]`` -> ``w1.T``,
 ``embed_proj.2.weight [V, E]`` -> ``w2``.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dtree_jax import cpu_dot
 from dtree_jax.models.sharding import axes
 
 
@@ -37,8 +39,8 @@ class DominoHead:
 def gru_step(head: DominoHead, state: jax.Array, emb: jax.Array) -> jax.Array:
     """One GRU step: ``state [..., G]``, ``emb [..., H]`` (target embeddings) -> new state ``[..., G]`` (fp32)."""
     g = head.gru_dim
-    gi = jnp.einsum("...h,hk->...k", emb.astype(jnp.float32), head.w_ih.astype(jnp.float32))
-    gh = jnp.einsum("...g,gk->...k", state.astype(jnp.float32), head.w_hh.astype(jnp.float32))
+    gi = cpu_dot.matmul_fp32(emb.astype(jnp.float32), head.w_ih)
+    gh = cpu_dot.matmul_fp32(state.astype(jnp.float32), head.w_hh)
     r = jax.nn.sigmoid(gi[..., :g] + gh[..., :g])
     z = jax.nn.sigmoid(gi[..., g : 2 * g] + gh[..., g : 2 * g])
     n = jnp.tanh(gi[..., 2 * g :] + r * gh[..., 2 * g :])
@@ -59,13 +61,12 @@ def gru_run(head: DominoHead, embs: jax.Array, state: jax.Array | None = None) -
 
 
 def correction_hidden(head: DominoHead, ph: jax.Array, state: jax.Array) -> jax.Array:
-    """``SiLU(W1 . [ph ; s])``: ``ph [..., H]``, ``state [..., G]`` -> ``[..., E]`` (fp32)."""
-    h = head.hidden_dim
-    w1 = head.w1.astype(jnp.float32)
-    pre = jnp.einsum("...h,he->...e", ph.astype(jnp.float32), w1[:h]) + jnp.einsum(
-        "...g,ge->...e", state.astype(jnp.float32), w1[h:]
-    )
-    return jax.nn.silu(pre)
+    """``SiLU(W1 . [ph ; s])``: ``ph [..., H]``, ``state [..., G]`` (leading axes broadcast) -> ``[..., E]``
+    (fp32)."""
+    lead = jnp.broadcast_shapes(ph.shape[:-1], state.shape[:-1])
+    rows = jnp.concatenate([jnp.broadcast_to(ph.astype(jnp.float32), lead + ph.shape[-1:]),
+                            jnp.broadcast_to(state.astype(jnp.float32), lead + state.shape[-1:])], axis=-1)
+    return jax.nn.silu(cpu_dot.matmul_fp32(rows, head.w1))
 
 
 def corrected_logits(head: DominoHead, base: jax.Array, ph: jax.Array, state: jax.Array) -> jax.Array:
