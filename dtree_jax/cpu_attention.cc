@@ -5,7 +5,9 @@
 //
 // Query t of request b sees the committed rows [0, lens[b]) and the new rows lens[b] + j with mask[b, t, j]
 // (the T new tokens are already written at [lens, lens + T)): pallas_kernels.tree_attention's
-// reference_tree_attention without `window`, fp32.  One call does a whole layer: XLA's version is about ten ops a
+// reference_tree_attention without `window`: q fp32, the cache fp32 or bf16 (widened to fp32 as it is read, exact;
+// with a bf16 cache the probabilities are normalised and rounded to bf16 before the weighted sum, as the
+// reference's bf16 matmul takes them).  One call does a whole layer: XLA's version is about ten ops a
 // layer, with the cache transposed for its dots (about 0.4 ms a layer for a 9-node verify of SmolLM2 on our
 // 2-core Intel hosts, a fifth of a round).
 //
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
 #include "cpu_threads.h"
@@ -29,13 +32,31 @@ constexpr int kMaxGroup = 16;   // query heads per kv head
 
 constexpr int kKeys = 8;        // keys scored together (independent sums in flight)
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));  // kLanes floats, unaligned
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));  // kLanes bf16 values
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// kLanes cache values from p as fp32: float, or uint16_t holding bf16 bits (shifted up 16: exact).
+static inline Lanes load_lanes(const float* p) { return *reinterpret_cast<const Lanes*>(p); }
+static inline Lanes load_lanes(const uint16_t* p) {
+  return (Lanes)(__builtin_convertvector(*reinterpret_cast<const Halves*>(p), Ints) << 16);
+}
+
+// x rounded to the nearest bf16 (ties to even), kept as fp32; x finite.
+static inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
 
 // out[j] = scale * sum_d q[d] key_j[d] for the m <= kKeys rows key_j = k + rows[j] * stride, each in a fixed order
 // (kLanes partial sums over d, then a fixed tree), the same for a row whichever others share the call.
-static inline void scores(const float* q, const float* k, const int32_t* rows, int m, int64_t stride, int64_t d,
+template <typename KV>
+static inline void scores(const float* q, const KV* k, const int32_t* rows, int m, int64_t stride, int64_t d,
                           float scale, float* out) {
   Lanes acc[kKeys];
-  const float* key[kKeys];
+  const KV* key[kKeys];
 #pragma GCC unroll 8
   for (int j = 0; j < kKeys; ++j) {
     acc[j] = Lanes{};
@@ -44,7 +65,7 @@ static inline void scores(const float* q, const float* k, const int32_t* rows, i
   for (int64_t i = 0; i < d; i += kLanes) {
     Lanes qi = *reinterpret_cast<const Lanes*>(q + i);
 #pragma GCC unroll 8
-    for (int j = 0; j < kKeys; ++j) acc[j] += qi * *reinterpret_cast<const Lanes*>(key[j] + i);
+    for (int j = 0; j < kKeys; ++j) acc[j] += qi * load_lanes(key[j] + i);
   }
   for (int j = 0; j < m; ++j) {
     const Lanes& a = acc[j];
@@ -56,7 +77,8 @@ constexpr int kChunk = 64;      // output columns summed together (kChunk / kLan
 
 // out[c] = inv * sum_i w[i] v_i[c] for c < cols <= kChunk (a multiple of kLanes), v_i = v + rows[i] * stride: each
 // a sum over i in order.
-static inline void weighted_sum(const float* w, const float* v, const int32_t* rows, int64_t n, int64_t stride,
+template <typename KV>
+static inline void weighted_sum(const float* w, const KV* v, const int32_t* rows, int64_t n, int64_t stride,
                                 float inv, float* out, int64_t cols) {
   constexpr int kVecs = kChunk / kLanes;
   Lanes acc[kVecs];
@@ -64,14 +86,14 @@ static inline void weighted_sum(const float* w, const float* v, const int32_t* r
   for (int c = 0; c < kVecs; ++c) acc[c] = Lanes{};
   if (cols == kChunk) {
     for (int64_t i = 0; i < n; ++i) {
-      const float* vi = v + rows[i] * stride;
+      const KV* vi = v + rows[i] * stride;
 #pragma GCC unroll 8
-      for (int c = 0; c < kVecs; ++c) acc[c] += w[i] * *reinterpret_cast<const Lanes*>(vi + kLanes * c);
+      for (int c = 0; c < kVecs; ++c) acc[c] += w[i] * load_lanes(vi + kLanes * c);
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const float* vi = v + rows[i] * stride;
-      for (int c = 0; c < cols / kLanes; ++c) acc[c] += w[i] * *reinterpret_cast<const Lanes*>(vi + kLanes * c);
+      const KV* vi = v + rows[i] * stride;
+      for (int c = 0; c < cols / kLanes; ++c) acc[c] += w[i] * load_lanes(vi + kLanes * c);
     }
   }
   for (int c = 0; c < cols / kLanes; ++c) *reinterpret_cast<Lanes*>(out + kLanes * c) = acc[c] * inv;
@@ -102,7 +124,8 @@ struct Shapes {
 };
 
 // Query t of request b, the G query heads of kv head kv: out = softmax(scale q k^T over its visible rows) v.
-static void attend_one(const Shapes& z, const float* q, const float* k, const float* v, const int32_t* lens,
+template <typename KV>
+static void attend_one(const Shapes& z, const float* q, const KV* k, const KV* v, const int32_t* lens,
                        const bool* mask, float scale, float* out, int64_t b, int64_t t, int64_t kv) {
   thread_local std::vector<int32_t> rows;  // the visible cache rows, in cache order
   thread_local std::vector<float> p;       // [G, rows] scores, then unnormalised probabilities
@@ -114,7 +137,7 @@ static void attend_one(const Shapes& z, const float* q, const float* k, const fl
   for (int64_t j = 0; j < T && len + j < S; ++j)
     if (mask[(b * T + t) * T + j]) rows[n++] = static_cast<int32_t>(len + j);
   const float* qg = q + ((b * T + t) * z.H + kv * G) * D;
-  const float* kb = k + (b * S * z.Hkv + kv) * D;  // row r of kv head kv: kb + r * Hkv * D
+  const KV* kb = k + (b * S * z.Hkv + kv) * D;  // row r of kv head kv: kb + r * Hkv * D
   for (int64_t i = 0; i < n; i += kKeys)
     for (int64_t g = 0; g < G; ++g)
       scores(qg + g * D, kb, rows.data() + i, static_cast<int>(std::min<int64_t>(kKeys, n - i)), z.Hkv * D, D, scale,
@@ -134,16 +157,21 @@ static void attend_one(const Shapes& z, const float* q, const float* k, const fl
     for (int64_t i = whole; i < n; ++i) lanes[i - whole] += pg[i];
     float total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
     inv[g] = n > 0 ? 1.0f / total : 0.0f;  // a query with nothing visible gets zeros
+    if constexpr (std::is_same_v<KV, uint16_t>) {  // bf16 probabilities, as the reference's bf16 matmul takes them
+      for (int64_t i = 0; i < n; ++i) pg[i] = round_bf16(pg[i] * inv[g]);
+      inv[g] = n > 0 ? 1.0f : 0.0f;
+    }
   }
-  const float* vb = v + (b * S * z.Hkv + kv) * D;  // row r of kv head kv: vb + r * Hkv * D
+  const KV* vb = v + (b * S * z.Hkv + kv) * D;  // row r of kv head kv: vb + r * Hkv * D
   float* o = out + ((b * T + t) * z.H + kv * G) * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < D; c += kChunk) weighted_sum(p.data() + g * S, vb + c, rows.data(), n, z.Hkv * D,
                                                           inv[g], o + g * D + c, std::min<int64_t>(kChunk, D - c));
 }
 
-static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::PRED> mask,
+template <ffi::DataType kCache>
+static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kCache> k,
+                                ffi::Buffer<kCache> v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::PRED> mask,
                                 float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
@@ -156,7 +184,8 @@ static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                       "cpu_attention: q [B, T, H, D], k / v [B, S, Hkv, D] (H / Hkv <= 16, D % 8 == 0), lens [B], "
                       "mask [B, T, T]");
   z.G = z.H / z.Hkv;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const float* qp = q.typed_data();
+  const auto *kp = k.typed_data(), *vp = v.typed_data();  // float, or uint16_t (bf16 bits)
   const int32_t* lp = lens.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
@@ -172,13 +201,17 @@ static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DtreeJaxTreeAttention, TreeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [B, S, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // lens [B]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [B, T, T]
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, D]
+// One handler per cache dtype: q fp32, k / v fp32 or bf16, out fp32.
+#define TREE_ATTENTION_HANDLER(name, kCache)                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, TreeAttention<kCache>, ffi::Ffi::Bind()                       \
+                                                                 .Ctx<ffi::ThreadPool>()            \
+                                                                 .Arg<ffi::Buffer<ffi::F32>>()      \
+                                                                 .Arg<ffi::Buffer<kCache>>()        \
+                                                                 .Arg<ffi::Buffer<kCache>>()        \
+                                                                 .Arg<ffi::Buffer<ffi::S32>>()      \
+                                                                 .Arg<ffi::Buffer<ffi::PRED>>()     \
+                                                                 .Attr<float>("scale")              \
+                                                                 .Ret<ffi::Buffer<ffi::F32>>())
+// q [B, T, H, D], k / v [B, S, Hkv, D], lens [B], mask [B, T, T] -> out [B, T, H, D]
+TREE_ATTENTION_HANDLER(DtreeJaxTreeAttention, ffi::F32);
+TREE_ATTENTION_HANDLER(DtreeJaxTreeAttentionBf16, ffi::BF16);

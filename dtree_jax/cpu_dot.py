@@ -15,7 +15,8 @@ the AVX2 variant on a CPU with AVX-512 (to measure what hosts without AVX-512 ru
 weights of CPU programs that bake their weights in; programs for accelerators never see it.
 
 The same library holds ``cpu_attention.cc``: ``tree_attention``, the XLA path's tree attention as one call a layer
-(about ten XLA ops and two transposed copies of the cache otherwise), which those programs run too
+over an fp32 or bf16 cache (about ten XLA ops and two transposed copies of the cache otherwise), which those
+programs run too
 (``models.kernels.cpu_attention``; ``DTREE_JAX_CPU_ATTENTION=0`` keeps XLA's).
 """
 
@@ -41,7 +42,8 @@ FFI_TARGETS = {"float32": ("dtree_jax_cpu_fewrow_dot", "DtreeJaxFewRowDot"),  # 
                "bfloat16": ("dtree_jax_cpu_fewrow_dot_bf16", "DtreeJaxFewRowDotBf16")}
 SOURCE = Path(__file__).with_name("cpu_dot.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")  # built into the same library
-ATTENTION_TARGET = ("dtree_jax_cpu_tree_attention", "DtreeJaxTreeAttention")  # (FFI target, symbol)
+ATTENTION_TARGETS = {"float32": ("dtree_jax_cpu_tree_attention", "DtreeJaxTreeAttention"),  # cache dtype ->
+                     "bfloat16": ("dtree_jax_cpu_tree_attention_bf16", "DtreeJaxTreeAttentionBf16")}  # (target, symbol)
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # the library this process builds
 HEADER = Path(__file__).with_name("cpu_threads.h")  # included by both (the thread pool's work sharing)
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
@@ -108,29 +110,33 @@ def fewrow_dot(x: jax.Array, w: PackedWeight, targets: dict[str, str] | None = N
 
 
 def tree_attention(
-    q: jax.Array,  # [B, T, H, D] fp32 queries, RoPE applied
-    k: jax.Array,  # [B, S, Hkv, D] fp32 key cache (new tokens written at [lens, lens + T))
-    v: jax.Array,  # [B, S, Hkv, D] fp32 value cache
+    q: jax.Array,  # [B, T, H, D] queries, RoPE applied (read as fp32)
+    k: jax.Array,  # [B, S, Hkv, D] fp32 or bf16 key cache (new tokens written at [lens, lens + T))
+    v: jax.Array,  # [B, S, Hkv, D] value cache, k's dtype
     lens: jax.Array,  # [B] int32 committed length before the T new tokens
     local_mask: jax.Array,  # [B, T, T] bool visibility among the new tokens
     scale: float,
 ) -> jax.Array:  # [B, T, H, D] fp32
     """``pallas_kernels.tree_attention.reference_tree_attention`` (no ``window``) as one call of
-    ``cpu_attention.cc`` (``available()`` must be True where the program is compiled and run): a query's output
-    depends on its visible rows alone, in cache order.  ``attends(q, k)`` says which shapes it takes."""
-    if not attends(q, k) or v.shape != k.shape:
-        raise ValueError(f"cpu_attention: fp32 q {q.shape} / k {k.shape} / v {v.shape} it cannot take")
+    ``cpu_attention.cc`` (``available()`` must be True where the program is compiled and run), in fp32: a bf16
+    cache is widened as it is read (exact) and its probabilities rounded to bf16 as the reference's bf16 matmul
+    takes them.  A query's output depends on its visible rows alone, in cache order.  ``attends(q, k)`` says
+    which shapes and dtypes it takes."""
+    if not attends(q, k) or v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"cpu_attention: q {q.shape} {q.dtype} / k {k.shape} {k.dtype} / v {v.shape} {v.dtype} "
+                         "it cannot take")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(ATTENTION_TARGET[0], out)(
-        q, k, v, jnp.asarray(lens, jnp.int32), jnp.asarray(local_mask, bool), scale=np.float32(scale))
+    return jax.ffi.ffi_call(ATTENTION_TARGETS[k.dtype.name][0], out)(
+        q.astype(jnp.float32), k, v, jnp.asarray(lens, jnp.int32), jnp.asarray(local_mask, bool),
+        scale=np.float32(scale))
 
 
 def attends(q: jax.Array, k: jax.Array) -> bool:
-    """Whether ``tree_attention`` takes queries ``q [B, T, H, D]`` against a cache ``k [B, S, Hkv, D]``: both
-    fp32, ``H / Hkv`` whole and at most 16, ``D`` a multiple of 8."""
+    """Whether ``tree_attention`` takes queries ``q [B, T, H, D]`` against a cache ``k [B, S, Hkv, D]``: q fp32
+    or bf16, the cache fp32 or bf16, ``H / Hkv`` whole and at most 16, ``D`` a multiple of 8."""
     (b, _, h, d), (bk, _, hkv, dk) = q.shape, k.shape
-    return (q.dtype == k.dtype == jnp.float32 and b == bk and d == dk and d % 8 == 0 and hkv > 0 and h % hkv == 0
-            and h // hkv <= 16)
+    return (q.dtype in (jnp.float32, jnp.bfloat16) and jnp.dtype(k.dtype).name in ATTENTION_TARGETS and b == bk
+            and d == dk and d % 8 == 0 and hkv > 0 and h % hkv == 0 and h // hkv <= 16)
 
 
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
@@ -221,9 +227,10 @@ def _load() -> tuple[bool, str]:
 
     def register(lib: Path) -> None:
         library = ctypes.cdll.LoadLibrary(str(lib))
-        attention = getattr(library, ATTENTION_TARGET[1])  # found before anything is registered
-        _register(library)
-        jax.ffi.register_ffi_target(ATTENTION_TARGET[0], jax.ffi.pycapsule(attention), platform="cpu")
+        attention = {target: getattr(library, symbol) for target, symbol in ATTENTION_TARGETS.values()}  # all found
+        _register(library)                                                                    # before registering
+        for target, handler in attention.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
     try:
         lib = _build(compiler, arch)
