@@ -55,7 +55,8 @@ def test_a_query_that_sees_nothing_gets_zeros_and_refused_shapes_say_so():
     got = cpu_dot.tree_attention(q, k, v, lens, mask, 0.5)
     np.testing.assert_array_equal(got[0, 1], 0.0)
     np.testing.assert_allclose(got, reference_tree_attention(q, k, v, lens, mask, scale=0.5), rtol=2e-5, atol=2e-6)
-    assert cpu_dot.attends(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)) and cpu_dot.attends(q, k.astype(jnp.bfloat16))
+    k16 = k.astype(jnp.bfloat16)
+    assert cpu_dot.attends(q.astype(jnp.bfloat16), k16) and cpu_dot.attends(q, k16)
     assert not cpu_dot.attends(q, k.astype(jnp.float16)) and not cpu_dot.attends(q[..., :6], k[..., :6])
     assert not cpu_dot.attends(jnp.zeros((1, 3, 3, 8)), k)  # 3 query heads on 2 kv heads
     for args in ((q[..., :6], k[..., :6], v[..., :6]), (q, k, v.astype(jnp.bfloat16))):

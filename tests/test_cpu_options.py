@@ -73,9 +73,10 @@ def test_the_drafter_gets_its_own_copy_of_the_targets_head(models):
 
 def test_a_draft_vocabulary_changes_the_drafts_never_the_output(tmp_path, monkeypatch):
     """``draft_vocab``: the drafter's own head holds only the listed columns (the target head's logits there; the
-    drafts' logits span only those tokens).  Drafting from the tokens ar emits still gets drafts accepted; drafting from none of them
-    (control) gets none accepted (a round per token); the tokens are ar's every time.  "auto" reads the
-    drafter's draft_vocab.json; bad ids, and ids where the weights are not baked in, are one ValueError."""
+    drafts' logits span only those tokens).  Drafting from the tokens ar emits still gets drafts accepted;
+    drafting from none of them (control) gets none accepted (a round per token); the tokens are ar's every time.
+    "auto" reads the drafter's draft_vocab.json; bad ids, and ids where the weights are not baked in, are one
+    ValueError."""
     from dtree_jax.cli import SHIPPED_TINY, shipped
 
     target, draft = (api.load_model(shipped(n)) for n in SHIPPED_TINY)  # the trained byte-level pair

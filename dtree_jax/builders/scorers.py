@@ -37,7 +37,7 @@ class DraftRound:
     root_state: jax.Array  # [B, G] fp32 GRU state after the root token: gru_step(head, 0, embed[root])
     root: jax.Array  # [B] int32 root (last committed) token ids
     # [V'] int32 sorted token ids of base's columns when the drafter proposes only a draft vocabulary (every
-    # other token's logit is -inf, so no scorer needs it: top-k runs over the V' columns); None: base spans all V
+    # other token's logit is -inf, never widened: the scorers take top-k over the V' columns); None: all V
     vocab_ids: jax.Array | None = None
 
     @property
@@ -113,7 +113,8 @@ class MenuScorer:
 
 
 def marginal_scorer(rnd: DraftRound, *, k: int) -> MenuScorer:
-    """DDTree's factorised scorer: per depth, the top-k of the full-vocabulary ``log_softmax(base[:, d])``."""
+    """DDTree's factorised scorer: per depth, the top-k of the full-vocabulary ``log_softmax(base[:, d])`` (over
+    a draft vocabulary's columns where the round has one)."""
     return MenuScorer(*_top_k_logprobs(rnd.base, k, rnd.vocab_ids))
 
 

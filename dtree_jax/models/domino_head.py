@@ -2,10 +2,10 @@
 run over the target's embeddings of the tokens on the draft path (PyTorch gate order r, z, n).
 
 Weights are stored ``[in, out]`` except ``w2`` which is ``[V, E]`` (a row per token, so the top-M candidate
-rows can be gathered).  Programs that bake their weights in on a CPU hold ``w_ih``, ``w_hh`` and ``w1`` as
-``cpu_dot.PackedWeight`` (``cpu_options.pack_dense``), so the GRU's few-row dots run the few-row kernel.  HF keys: ``prefix_gru.weight_ih_l0 [3G, H]`` -> ``w_ih.T``,
+rows can be gathered).  HF keys: ``prefix_gru.weight_ih_l0 [3G, H]`` -> ``w_ih.T``,
 ``prefix_gru.weight_hh_l0 [3G, G]`` -> ``w_hh.T``, ``embed_proj.0.weight [E, H+G]`` -> ``w1.T``,
-``embed_proj.2.weight [V, E]`` -> ``w2``.
+``embed_proj.2.weight [V, E]`` -> ``w2``.  Programs that bake their weights in on a CPU hold ``w_ih``, ``w_hh``
+and ``w1`` as ``cpu_dot.PackedWeight`` (``cpu_options.pack_dense``): the GRU's dots then run the few-row kernel.
 """
 
 from __future__ import annotations
