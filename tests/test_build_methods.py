@@ -98,8 +98,13 @@ def test_a_draft_vocabulary_round_builds_the_tree_of_its_widened_round(method, M
 
 
 def test_draft_vocabulary_ids_must_match_the_columns():
+    """Mismatched ids are one ValueError; k and M are still checked against the whole vocabulary V (only then
+    clamped to V')."""
     head, embed = tiny_model(0)
     rnd = random_round(head, embed, seed=1, batch=1, depth=3)
+    compact = DraftRound(rnd.ph, rnd.base[..., :10], rnd.root_state, rnd.root, vocab_ids=jnp.arange(10))
+    with pytest.raises(ValueError, match=f"corr_topm = {V + 1} exceeds the vocabulary size {V}"):
+        build_tree("dominotree", compact, head, embed, budget=4, corr_topm=V + 1, mask_token_id=MASK)
     with pytest.raises(ValueError, match=r"vocab_ids must be \[V'\] = \[10\] \(base's columns\), got \(9,\)"):
         build_tree("ddtree", DraftRound(rnd.ph, rnd.base[..., :10], rnd.root_state, rnd.root, vocab_ids=jnp.arange(9)),
                    budget=4, mask_token_id=MASK)

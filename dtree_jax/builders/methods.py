@@ -182,13 +182,14 @@ def build_tree(
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     budget, k, max_depth, M, pure_depths = (int(v) for v, _ in knobs.values())
+    size = width if vocab is None else vocab  # V where known (a draft vocabulary's V' otherwise)
+    if M > size:
+        raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {size}")
+    k = min(k, M) if M > 0 else k
+    if k > size:
+        raise ValueError(f"node_topk = {k} exceeds the vocabulary size {size}")
     if rnd.vocab_ids is not None:  # every token outside a draft vocabulary scores -inf: never a candidate
         M, k = min(M, width), min(k, width)
-    if M > width:
-        raise ValueError(f"corr_topm = {M} exceeds the vocabulary size {width}")
-    k = min(k, M) if M > 0 else k
-    if k > width:
-        raise ValueError(f"node_topk = {k} exceeds the vocabulary size {width}")
     if record.tree:
         if (not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0
                 or (vocab is not None and mask_token_id >= vocab)):  # V is unknown: a DDTree draft vocabulary
