@@ -133,7 +133,7 @@ class DominoScorer:
     is renormalised over those M; with ``cand is None`` (M = 0) it spans the full vocabulary.
     """
 
-    head: DominoHead
+    head: DominoHead  # with M = 0 over a draft vocabulary its w2 holds that vocabulary's rows only: [V', E]
     embed: jax.Array  # [V, H] target embedding table (the GRU's inputs)
     ph: jax.Array  # [B, K, H]
     root_state: jax.Array  # [B, G]
@@ -162,10 +162,7 @@ class DominoScorer:
             return self.prefix.scores(d, state)
         ph = self.ph[:, d, None]  # [B, 1, H], broadcast over lanes
         if self.cand is None:
-            head = self.head
-            if self.vocab_ids is not None:  # only the draft vocabulary's W2 rows (every other logit is -inf)
-                head = dataclasses.replace(head, w2=jnp.take(head.w2, self.vocab_ids, axis=0))
-            corr = corrected_logits(head, self.logits[:, d, None], ph, state)
+            corr = corrected_logits(self.head, self.logits[:, d, None], ph, state)
             return _top_k_logprobs(corr, self.k, self.vocab_ids)
         hid = correction_hidden(self.head, ph, state)  # [B, W, E]
         corr = self.logits[:, d, None] + jnp.einsum("bwe,bme->bwm", hid, self.w2c[:, d])  # [B, W, M]
@@ -205,6 +202,8 @@ def domino_scorer(
         w2c = jnp.take(head.w2, cand, axis=0).astype(jnp.float32)  # [B, K, M, E]
     else:
         logits, cand, w2c = base, None, None
+        if rnd.vocab_ids is not None:  # W2's rows for the draft vocabulary's columns, gathered once a round
+            head = dataclasses.replace(head, w2=jnp.take(head.w2, rnd.vocab_ids, axis=0))
     return DominoScorer(head, embed, rnd.ph, rnd.root_state, prefix, logits, cand, w2c, k=k, pure_depths=pure_depths,
                         vocab_ids=rnd.vocab_ids)
 
