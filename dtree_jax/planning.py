@@ -264,19 +264,21 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
 
         dparams = drafter.params if drafter is not None else None
         both = cpu_dots == "auto" and cpu_options.runs_kernel(knobs.get("mesh"), target.params, dparams)
-        options = {}  # cpu_kernel -> (tokens/s, budget, seconds per round by budget, where they came from)
-        for kernel in (True, False) if both else (fixed,):
-            specs = {b: make_spec(target, drafter if b else None, method if b else "ar", budget=max(b, 1),
-                                  cpu_kernel=kernel, **knobs) for b in taus}
-            label = (", few-row kernel" if kernel else ", XLA's dots") if both else ""
-            with sharding.mesh_context(knobs.get("mesh")):
-                seconds, source = round_costs.seconds_per_round(specs, target.params, dparams, inputs, taus,
-                                                                cache_dir(), label)
-            budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n: seconds[n - 1])
-            options[kernel] = (batch * taus[budget] / seconds[budget], budget, seconds, source)
+        names, kinds = {True: "the few-row kernel", False: "XLA's dots"}, ((True, False) if both else (fixed,))
+        variants = {names[kernel]: {b: make_spec(target, drafter if b else None, method if b else "ar",
+                                                 budget=max(b, 1), cpu_kernel=kernel, **knobs) for b in taus}
+                    for kernel in kinds}
+        with sharding.mesh_context(knobs.get("mesh")):
+            measured, source = round_costs.seconds_per_round(variants, target.params, dparams, inputs, taus,
+                                                             cache_dir())
+        options = {}  # cpu_kernel -> (tokens/s, budget, seconds per round by budget)
+        for kernel in kinds:
+            seconds = measured[names[kernel]]
+            budget = choose_budget(batch, {b: taus[b] for b in seconds}, lambda _, n, s=seconds: s[n - 1])
+            options[kernel] = (batch * taus[budget] / seconds[budget], budget, seconds)
         kernel = max(options, key=lambda k: options[k][0])  # a tie keeps the kernel
         ar_kernel = min(options, key=lambda k: (options[k][2][0], not k))  # the fastest ar step (tie: the kernel)
-        _, budget, seconds, source = options[kernel]
+        _, budget, seconds = options[kernel]
         rate = lambda b: batch * taus[b] / seconds[b]  # noqa: E731
         ar_seconds = options[ar_kernel][2][0]
         why = (f"expected {rate(budget):.1f} tok/s (tau {taus[budget]:.2f}, {seconds[budget] * 1e3:.0f} ms a round) vs "
@@ -284,7 +286,6 @@ def choose_auto(target: Model, drafter: Model | None, method: str, calibration, 
                + ", ".join(f"budget {b} {rate(b):.1f}" for b in sorted(seconds) if b not in (0, budget))
                + f"; round costs {'measured now on this machine' if source == 'measured now' else 'of this machine from ' + source}")
         if both:
-            names = {True: "the few-row kernel", False: "XLA's dots"}
             other_rate, other_budget = options[not kernel][:2]
             other = f"budget {other_budget}" if other_budget else "ar"
             why += f"; dots: {names[kernel]}, where {names[not kernel]} gave {other_rate:.1f} tok/s ({other})"

@@ -265,30 +265,35 @@ def test_auto_budget_measures_this_machine_once(models, tmp_path, monkeypatch):
     real = round_costs.measure
     monkeypatch.setattr(round_costs, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
     first = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
-    # Where the few-row kernel builds, the rounds are measured with it and with XLA's dots: an entry each.
-    entries = {json.loads(e.read_text())["program"]["dots"] == "xla": e
-               for e in (tmp_path / "round-costs").iterdir()}
-    runs = len(entries)
-    assert sorted(entries) == ([False, True] if cpu_dot.available() else [True]) and measured == [1] * runs
-    for entry in entries.values():
-        seconds = json.loads(entry.read_text())["seconds"]
+    # Where the few-row kernel builds, the rounds are measured with it and with XLA's dots, together: one entry.
+    (entry,) = (tmp_path / "round-costs").iterdir()
+    variants = ["the few-row kernel", "XLA's dots"] if cpu_dot.available() else ["the few-row kernel"]
+    stored = json.loads(entry.read_text())
+    assert list(stored["seconds"]) == variants and measured == [1]
+    assert [p["dots"] == "xla" for p in stored["programs"].values()] == [False, True][: len(variants)]
+    for seconds in stored["seconds"].values():
         assert "0" in seconds and all(s > 0 for s in seconds.values())
     assert first.auto.startswith("budget auto: ") and "measured now on this machine" in first.auto
     second = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
-    assert measured == [1] * runs and any(str(e) in second.auto for e in entries.values())
+    assert measured == [1] and str(entry) in second.auto
     assert second.stats[0]["method"] == first.stats[0]["method"]
     # Made-up costs (the same for both dots): a tree that pays, then one that does not (ar runs, token for token
     # ar's output).
     for costs, method, budget in (({0: 1.0, 2: 1.0, 6: 1.2}, "dominotree", 6), ({0: 0.5, 2: 1.0, 6: 1.5}, "ar", None)):
-        for entry in entries.values():
-            entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
+        entry.write_text(json.dumps(dict(stored, seconds=dict.fromkeys(variants, costs))))
         got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=6)
         assert (got.stats[0]["method"], got.stats[0]["budget"]) == (method, budget), got.auto
     assert got.tokens == generate(target, PROMPTS[:1], "ar", max_new_tokens=6).tokens
-    # A damaged cache entry is measured again.
-    entries[False].write_text("{broken")
+    # A damaged cache entry, or one without a variant's ar step, is measured again.
+    for damaged in ("{broken", json.dumps(dict(stored, seconds=dict.fromkeys(variants, {2: 1.0})))):
+        entry.write_text(damaged)
+        generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
+        assert json.loads(entry.read_text())["seconds"][variants[-1]]["0"] > 0
+    assert measured == [1] * 3
+    # Costs measured by other code (another digest of the package's source) are not read.
+    monkeypatch.setattr(round_costs, "code_digest", lambda: "another version")
     generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)
-    assert measured == [1] * (runs + 1) and json.loads(entries[False].read_text())["seconds"]
+    assert measured == [1] * 4 and len(list((tmp_path / "round-costs").iterdir())) == 2
 
 
 def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, monkeypatch):
@@ -303,8 +308,8 @@ def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, 
     monkeypatch.setenv("DTREE_JAX_CACHE", str(tmp_path))
     cal = dict(tau_by_budget={2: 1.5, 6: 2.5})
     generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=4)  # measures
-    entries = {json.loads(e.read_text())["program"]["dots"] == "xla": e
-               for e in (tmp_path / "round-costs").iterdir()}
+    (entry,) = (tmp_path / "round-costs").iterdir()
+    stored = json.loads(entry.read_text())
     packed = []
     real = cpu_options.pack_dense
     monkeypatch.setattr(cpu_options, "pack_dense", lambda tree: packed.append(1) or real(tree))
@@ -315,9 +320,8 @@ def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, 
     # while XLA's dots give the faster ar step, which the fair baseline then runs.
     for kernel_costs, xla_costs, dots, ar_dots in ((slow, fast, "xla", "xla"), (fast, slow, "kernel", "kernel"),
                                                    ({**fast, 0: 2.0}, fast_ar, "kernel", "xla")):
-        for is_xla, entry in entries.items():
-            costs = xla_costs if is_xla else kernel_costs
-            entry.write_text(json.dumps(dict(json.loads(entry.read_text()), seconds=costs)))
+        costs = {"the few-row kernel": kernel_costs, "XLA's dots": xla_costs}
+        entry.write_text(json.dumps(dict(stored, seconds=costs)))
         packed.clear()
         got = generate(target, PROMPTS[:1], "dominotree", draft, budget="auto", calibration=cal, max_new_tokens=7)
         assert got.stats[0]["budget"] == 6 and got.tokens == ar
@@ -338,29 +342,39 @@ def test_auto_budget_keeps_xla_dots_where_they_measure_faster(models, tmp_path, 
         generate(target, PROMPTS[:1], "dominotree", draft, budget=6, cpu_dots="fast", max_new_tokens=7)
 
 
-def test_round_costs_time_each_tree_in_pairs_with_ar(monkeypatch):
-    """Other work on the machine while one budget is timed (3x slower, budget 2 here) slows that budget's ar steps
-    as well: the costs come out as the programs' own (ar 1 s, budget 2 2 s, budget 4 3 s), not 6 s for budget 2.
-    Measuring stops at the first budget whose expected rate falls below the previous tree's."""
+def test_round_costs_time_every_program_in_pairs_with_one_ar_step(monkeypatch):
+    """Other work on the machine while one program is timed (3x slower, budget 2 here) slows that program's
+    reference ar steps as well: the costs come out as the programs' own (ar 1 s, budget 2 2 s, budget 4 3 s), not
+    6 s for budget 2.  A second variant (another way of compiling) is timed against the same reference, so a load
+    while its ar step runs does not make it look slower than it is.  Each variant's measuring stops at its first
+    budget whose expected rate falls below its previous tree's."""
     from dtree_jax import round_costs
 
-    now, load, own = [0.0], [1.0], {0: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}
+    now, load = [0.0], [1.0]
+    own = {("a", 0): 1.0, ("a", 2): 2.0, ("a", 4): 3.0, ("a", 8): 4.0, ("b", 0): 0.8, ("b", 2): 1.5, ("b", 4): 3.0}
+    loaded = {("a", 2), ("b", 0)}
 
-    def program(budget, *_):  # a "compiled round" that advances the fake clock by its cost times the load
-        load[0] = 3.0 if budget == 2 else 1.0
-        return lambda: now.__setitem__(0, now[0] + own[budget] * load[0])
+    def program(spec, *_):  # a "compiled round" that advances the fake clock by its cost times the load
+        load[0] = 3.0 if spec in loaded else 1.0
+        return lambda: now.__setitem__(0, now[0] + own[spec] * load[0])
 
     monkeypatch.setattr(round_costs, "round_program", program)
     monkeypatch.setattr(round_costs, "clock", lambda: now[0])
     taus = {0: 1.0, 2: 1.9, 4: 2.9, 8: 3.0}
-    seconds = round_costs.measure({b: b for b in own}, None, None, (), taus, log=None)
-    assert seconds == pytest.approx({0: 1.0, 2: 2.0, 4: 3.0, 8: 4.0})  # 8 measured, then it stops (0.75 < 0.97)
-    loaded = program(2)
+
+    def variants(*names):
+        return {n: {b: (n, b) for v, b in own if v == n} for n in names}
+
+    seconds = round_costs.measure(variants("a", "b"), None, None, (), taus, log=None)
+    # a's 8 measured, then it stops (0.75 < 0.97); b's 4 (0.97 < 1.27) measured, the last it has.
+    assert seconds == {"a": pytest.approx({0: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}),
+                       "b": pytest.approx({0: 0.8, 2: 1.5, 4: 3.0})}
+    timed_alone = program(("b", 0))
     t0 = now[0]
-    loaded()
-    assert now[0] - t0 == 6.0  # control: the load is real; timed alone, budget 2 would cost 6 s a round
-    seconds = round_costs.measure({b: b for b in own}, None, None, (), {**taus, 4: 2.5}, log=None)
-    assert sorted(seconds) == [0, 2, 4]  # budget 4's rate (0.83) falls below budget 2's (0.95): 8 is not measured
+    timed_alone()
+    assert now[0] - t0 == pytest.approx(2.4)  # control: the load is real; timed alone, b's ar would cost 2.4 s
+    seconds = round_costs.measure(variants("a"), None, None, (), {**taus, 4: 2.5}, log=None)
+    assert sorted(seconds["a"]) == [0, 2, 4]  # budget 4's rate (0.83) falls below budget 2's (0.95): 8 is not measured
 
 
 def test_round_costs_key_names_the_implementations_not_where_they_are_installed(models):
