@@ -17,7 +17,8 @@ weights of CPU programs that bake their weights in; programs for accelerators ne
 The same library holds ``cpu_attention.cc``: ``tree_attention``, the XLA path's tree attention as one call a layer
 over an fp32 or bf16 cache (about ten XLA ops and two transposed copies of the cache otherwise), which those
 programs run too
-(``models.kernels.cpu_attention``; ``DTREE_JAX_CPU_ATTENTION=0`` keeps XLA's).
+(``models.kernels.cpu_attention``; ``DTREE_JAX_CPU_ATTENTION=0`` keeps XLA's), and ``cpu_ops.cc``: ``fusion_barrier``
+(RoPE's tables computed once, not in every layer's fusion) and ``first_argmax`` (greedy acceptance's argmax).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ SOURCE = Path(__file__).with_name("cpu_dot.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cc")  # built into the same library
 ATTENTION_TARGETS = {"float32": ("dtree_jax_cpu_tree_attention", "DtreeJaxTreeAttention"),  # cache dtype ->
                      "bfloat16": ("dtree_jax_cpu_tree_attention_bf16", "DtreeJaxTreeAttentionBf16")}  # (target, symbol)
-SOURCES = (SOURCE, ATTENTION_SOURCE)  # the library this process builds
+OPS_SOURCE = Path(__file__).with_name("cpu_ops.cc")  # built into the same library: two small ops
+OPS_TARGETS = {"copy": ("dtree_jax_cpu_copy", "DtreeJaxCopy"),  # op -> (target, symbol)
+               "first_argmax": ("dtree_jax_cpu_first_argmax", "DtreeJaxFirstArgmax")}
+SOURCES = (SOURCE, ATTENTION_SOURCE, OPS_SOURCE)  # the library this process builds
 HEADER = Path(__file__).with_name("cpu_threads.h")  # included by both (the thread pool's work sharing)
 DISABLE_ENV = "DTREE_JAX_CPU_DOT"  # "0": never use the kernel; "avx2": build it without AVX-512
 NATIVE_FLAGS, AVX2_FLAGS = ("-march=native",), ("-march=native", "-mno-avx512f")
@@ -139,6 +143,28 @@ def attends(q: jax.Array, k: jax.Array) -> bool:
             and d == dk and d % 8 == 0 and hkv > 0 and h % hkv == 0 and h // hkv <= 16)
 
 
+def fusion_barrier(x: jax.Array) -> jax.Array:  # any -> the same values, computed once
+    """``x`` as it is, through ``cpu_ops.cc``'s copy (``available()`` must be True where the program is compiled
+    and run): XLA cannot fuse through a custom call, so ``x``'s producers run once instead of inside each of its
+    users' fusions (XLA:CPU keeps no optimization barrier up to fusion)."""
+    return jax.ffi.ffi_call(OPS_TARGETS["copy"][0], jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            vmap_method="broadcast_all")(x)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:  # [..., V] fp32 -> [...] int32
+    """``jnp.argmax(x, -1)`` (the first index of the largest value, or of the first NaN) by ``cpu_ops.cc``
+    (``available()`` must be True where the program is compiled and run)."""
+    if x.dtype != jnp.float32 or x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(f"cpu_dot.first_argmax: x [..., V] fp32 with V > 0, got {x.shape} {x.dtype}")
+    return jax.ffi.ffi_call(OPS_TARGETS["first_argmax"][0], jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
+                            vmap_method="broadcast_all")(x)
+
+
+def reference_first_argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
+    """Pure-jnp ``first_argmax``."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
 def reference_fewrow_dot(x: jax.Array, w: PackedWeight) -> jax.Array:  # [..., K] -> [..., N] fp32
     """Pure-jnp ``fewrow_dot`` (the same product, XLA's summation order)."""
     return jnp.matmul(x.astype(jnp.float32), unpack(w).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
@@ -227,9 +253,10 @@ def _load() -> tuple[bool, str]:
 
     def register(lib: Path) -> None:
         library = ctypes.cdll.LoadLibrary(str(lib))
-        attention = {target: getattr(library, symbol) for target, symbol in ATTENTION_TARGETS.values()}  # all found
-        _register(library)                                                                    # before registering
-        for target, handler in attention.items():
+        others = {target: getattr(library, symbol)  # all found before any is registered
+                  for target, symbol in (*ATTENTION_TARGETS.values(), *OPS_TARGETS.values())}
+        _register(library)
+        for target, handler in others.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
     try:

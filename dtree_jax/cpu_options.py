@@ -97,17 +97,20 @@ def kernel_attention() -> bool:
 
 
 def compile_baked(fn: Callable, weights: tuple, *args, options: dict | None = None,
-                  attention: bool | None = None) -> Callable:
+                  attention: bool | None = None, ops: bool | None = None) -> Callable:
     """``fn(*weights, *args)`` compiled for this CPU with ``weights`` (pytrees of arrays) as constants and
     ``options`` (default ``BAKED_OPTIONS``); returns the compiled program, called with ``args`` alone.  With
     ``attention`` (default: where ``weights`` hold ``cpu_dot.PackedWeight``s, unless ``DTREE_JAX_CPU_ATTENTION=0``)
-    its attention runs ``cpu_dot.tree_attention`` where that takes the shapes (``models.kernels.cpu_attention``)."""
+    its attention runs ``cpu_dot.tree_attention`` where that takes the shapes (``models.kernels.cpu_attention``);
+    with ``ops`` (default: where they hold ``PackedWeight``s) it runs ``cpu_dot``'s small ops too
+    (``models.kernels.cpu_ops``)."""
     options = BAKED_OPTIONS if options is None else options
+    packed = any(isinstance(w, cpu_dot.PackedWeight)
+                 for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, cpu_dot.PackedWeight)))
     if attention is None:
-        attention = kernel_attention() and any(
-            isinstance(w, cpu_dot.PackedWeight)
-            for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, cpu_dot.PackedWeight)))
-    with no_persistent_cache(), kernels.cpu_attention(attention):
+        attention = kernel_attention() and packed
+    ops = packed if ops is None else ops
+    with no_persistent_cache(), kernels.cpu_attention(attention), kernels.cpu_ops(ops):
         return jax.jit(functools.partial(fn, *weights)).lower(*args).compile(compiler_options=options)
 
 

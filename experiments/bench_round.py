@@ -89,6 +89,8 @@ MODES = {  # how a piece is compiled: weights baked in as constants or passed as
     "baked+kernel+vocab": (True, OPTION_SETS["ynn"]),
     # the same with XLA's attention: what ran before cpu_dot.tree_attention
     "baked+kernel+xattn+vocab": (True, OPTION_SETS["ynn"]),
+    # the same with XLA's RoPE tables and argmax: what ran before cpu_ops.cc
+    "baked+kernel+xops+vocab": (True, OPTION_SETS["ynn"]),
     # the same, with bf16 weights (the shipped drafter's) on fp32 panels: what ran before bf16 panels
     "baked+kernel32+vocab": (True, OPTION_SETS["ynn"]),
 }
@@ -116,7 +118,8 @@ def compile_piece(fn, args: tuple, weights: tuple, mode: str, baked_as: tuple):
     elif "+kernel" in mode:
         values = cpu_options.pack_dense(values)
     attention = False if "+xattn" in mode else None
-    return cpu_options.compile_baked(call, values, *others, options=options, attention=attention), others
+    ops = False if "+xops" in mode else None
+    return cpu_options.compile_baked(call, values, *others, options=options, attention=attention, ops=ops), others
 
 
 def compile_all(named: dict, weights: tuple, mode: str, baked_as: tuple) -> dict:

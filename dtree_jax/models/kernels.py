@@ -10,7 +10,8 @@ Where a kernel has no version for a platform, the XLA path runs there on purpose
 
 On the CPU the XLA path's attention may instead run ``dtree_jax.cpu_dot.tree_attention`` (one FFI call a layer):
 programs traced inside ``cpu_attention()`` do, where it takes the shapes (``cpu_options.compile_baked`` traces the
-programs whose dense dots run the few-row kernel there).
+programs whose dense dots run the few-row kernel there), and inside ``cpu_ops()`` its small ops: RoPE's tables
+computed once, greedy acceptance's argmax.
 """
 
 from __future__ import annotations
@@ -71,6 +72,25 @@ def cpu_attention_wanted(cfg) -> bool:
     return _CPU_ATTENTION.get() and kernel_choice("tree_attention", cfg) == "xla" and kernel_platform(cfg) == "cpu"
 
 
+_CPU_OPS = contextvars.ContextVar("dtree_jax_cpu_ops", default=False)
+
+
+@contextlib.contextmanager
+def cpu_ops(enabled: bool = True):
+    """Programs traced inside, on the CPU, run ``cpu_dot``'s small ops (``cpu_ops_wanted``): RoPE's tables behind
+    ``cpu_dot.fusion_barrier`` and greedy acceptance's ``cpu_dot.first_argmax``."""
+    token = _CPU_OPS.set(enabled)
+    try:
+        yield
+    finally:
+        _CPU_OPS.reset(token)
+
+
+def cpu_ops_wanted() -> bool:
+    """Whether what is traced now should run ``cpu_dot``'s small ops: inside ``cpu_ops()``, on the CPU."""
+    return _CPU_OPS.get() and runtime_platform() == "cpu"
+
+
 def moe_grouping(cfg, tokens: int) -> str:
     """How ``models.moe.moe_mlp`` runs ``tokens`` tokens' routed experts for ``cfg``: "ragged" (grouped GEMM) on
     GPU; on TPU and CPU "gather" while the token-expert pairs are no more than the experts, else "dense".
@@ -91,4 +111,4 @@ def attention_kwargs(cfg) -> dict:
 
 
 __all__ = ["KERNELS", "KERNEL_PLATFORMS", "runtime_platform", "kernel_platform", "kernel_choice", "moe_grouping",
-           "attention_kwargs", "cpu_attention", "cpu_attention_wanted"]
+           "attention_kwargs", "cpu_attention", "cpu_attention_wanted", "cpu_ops", "cpu_ops_wanted"]

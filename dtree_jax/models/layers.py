@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from dtree_jax.models import sharding
 from dtree_jax.models.config import Llama3RoPE, DecoderConfig, repeat_kv
-from dtree_jax.models.kernels import attention_kwargs, cpu_attention_wanted
+from dtree_jax.models.kernels import attention_kwargs, cpu_attention_wanted, cpu_ops_wanted
 from dtree_jax.models.sharding import axes
 from pallas_kernels.tree_attention import reference_tree_attention
 
@@ -241,7 +241,12 @@ def rope_tables(
         )
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if cpu_ops_wanted():  # computed once: XLA:CPU would redo them in every layer's RoPE fusion, for every head
+        from dtree_jax import cpu_dot
+
+        cos, sin = cpu_dot.fusion_barrier(cos), cpu_dot.fusion_barrier(sin)
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
