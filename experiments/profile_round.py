@@ -123,9 +123,10 @@ def kind_of(ins: dict) -> str:
     return "small ops"
 
 
-def profile(method: str, budget: int, generations: int, target, drafter, trace_dir: pathlib.Path) -> dict:
+def profile(method: str, budget: int, generations: int, target, drafter, trace_dir: pathlib.Path,
+            temperature: float = 0.0) -> dict:
     kw = dict(method=method, drafter=drafter if method != "ar" else None, chat=True, max_new_tokens=128,
-              cpu_dots="kernel")
+              cpu_dots="kernel", temperature=temperature, seed=1)
     if method != "ar":
         kw["budget"] = budget
     first = api.generate(target, [cli.DEFAULT_REQUEST], **kw)  # compiles
@@ -135,7 +136,7 @@ def profile(method: str, budget: int, generations: int, target, drafter, trace_d
         runs = [api.generate(target, [cli.DEFAULT_REQUEST], **kw) for _ in range(generations)]
     assert all(r.tokens == first.tokens for r in runs)
     rounds = sum(r.stats[0]["rounds"] for r in runs)
-    return dict(method=method, budget=budget if method != "ar" else None, rounds=rounds,
+    return dict(method=method, budget=budget if method != "ar" else None, temperature=temperature, rounds=rounds,
                 tokens=sum(len(r.tokens[0]) for r in runs), cpu_dots=first.cpu_dots,
                 wall_ms_per_round=1e3 * sum(r.seconds for r in runs) / rounds)
 
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="dominotree,ar", help="comma-separated methods (default: %(default)s)")
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--generations", type=int, default=3, help="traced generations per method")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the main job's)")
     parser.add_argument("--top", type=int, default=25, help="largest groups listed")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "profile_round.json")
     parser.add_argument("--keep", action="store_true", help="keep the traces and the HLO dump (path printed)")
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     try:
         for method in args.methods.split(","):
             trace_dir, before = DUMP / f"trace-{method}", set(modules_dumped())
-            row = profile(method, args.budget, args.generations, target, drafter, trace_dir)
+            row = profile(method, args.budget, args.generations, target, drafter, trace_dir, args.temperature)
             compiled = [p for p in modules_dumped() if p not in before]  # this method's generation loop
             row.update(summarise(thunk_events(trace_dir), hlo_instructions(compiled), row["rounds"], args.top))
             rows.append(row)

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from dtree_jax.demo import CARD_TREE_PATHS
 from dtree_jax.tree import tree_from_paths
 from dtree_jax.models.cache import compact_kv
-from dtree_jax.verify import accept_greedy, accept_rejection, accept_sampled, filter_logits, first_argmax
+from dtree_jax.verify import (accept_greedy, accept_rejection, accept_sampled, filter_logits, first_argmax, invert_cdf,
+                              sample_categorical)
 
 
 def walk(parents, tokens, target_next):
@@ -289,3 +290,36 @@ def test_first_argmax_is_jnp_argmax_with_ties_nans_and_infinities():
     assert got.dtype == jnp.int32 and got[0, 0] == 5 and got[1, 1] == 0 and got[2, 2] == 7
     last = x.shape[-1] - 1 - np.argmax(x[..., ::-1], -1)
     assert (last != np.asarray(got)).any()
+
+
+@pytest.mark.parametrize("v", [6, 300])  # one block; three blocks of 128, the last padded
+def test_sample_categorical_draws_the_softmax(v):
+    """``jax.random.categorical``'s distribution from one uniform number a row (chi-square; -inf never drawn);
+    control: the same harness rejects draws from logits scaled by 1.3."""
+    rng = np.random.default_rng(v)
+    logits = rng.normal(size=v).astype(np.float32) * 2
+    logits[rng.choice(v, v // 3, replace=False)] = -np.inf
+    keys = jax.random.split(jax.random.key(v), 60000)
+    draw = jax.jit(jax.vmap(sample_categorical, in_axes=(0, None)))
+    counts = np.bincount(np.asarray(draw(keys, jnp.asarray(logits))), minlength=v)
+    assert chi2_pvalue(counts, softmax(logits)) > 1e-3
+    biased = np.bincount(np.asarray(draw(keys, jnp.asarray(logits * 1.3))), minlength=v)
+    assert chi2_pvalue(biased, softmax(logits)) < 1e-6
+
+
+def test_invert_cdf_lands_on_tokens_with_mass_only():
+    """Targets at the edges (0, just under 1, exactly at block boundaries) with whole blocks and the first and last
+    tokens at -inf: every result has positive probability and is the exact inverse where rounding cannot decide."""
+    v = 512
+    logits = np.zeros(v, np.float32)
+    logits[:128] = -np.inf                       # the first block empty
+    logits[256:384] = -np.inf                    # an empty block in the middle
+    logits[[128, 511]] = -np.inf                 # the first and last tokens of blocks with mass
+    mass = np.isfinite(logits)
+    n = mass.sum()
+    inside = np.array([0.5, 126.5, 127.5, 200.5, n - 0.5]) / n  # halfway through a token's share: no rounding
+    u = np.concatenate([[0.0, 1 - 2**-24, 0.5, 127 / n, 128 / n], inside]).astype(np.float32)  # then the edges
+    got = np.asarray(invert_cdf(jnp.broadcast_to(jnp.asarray(logits), (len(u), v)), jnp.asarray(u)))
+    assert mass[got].all()
+    assert got[0] == 129 and got[1] == 510  # the first and the last token with mass
+    np.testing.assert_array_equal(got[5:], np.flatnonzero(mass)[np.floor(inside * n).astype(int)])
