@@ -27,7 +27,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
-DUMP = pathlib.Path(tempfile.mkdtemp(prefix="dtree-jax-profile-"))
+DUMP = pathlib.Path(tempfile.gettempdir()) / f"dtree-jax-profile-{os.getpid()}"  # made by XLA's first dump
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP / 'hlo'} --xla_dump_hlo_as_text"
                            " --xla_dump_hlo_module_re=.*generate_loop.*").strip()
@@ -171,6 +171,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "profile_round.json")
     parser.add_argument("--keep", action="store_true", help="keep the traces and the HLO dump (path printed)")
     args = parser.parse_args(argv)
+    unknown = [m for m in args.methods.split(",") if m not in api.METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {', '.join(api.METHODS)}")
     target = api.load_model(smollm2_gguf())
     drafter = api.load_model(cli.shipped(cli.SHIPPED_DRAFTER))
     rows = []
