@@ -66,7 +66,7 @@ def first_argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
     CPU as a max, then a min over the indices that reach it: two vectorised reductions, where XLA:CPU's argmax (one
     reduction over value-index pairs) took 1.1-1.8 ms against 0.5-0.7 for SmolLM2's 9-node verify logits [9,
     49152] on our 2-core Intel host; other platforms keep ``jnp.argmax``.  Programs that run ``cpu_dot``'s small ops
-    (``models.kernels.cpu_ops``) take fp32 rows through ``cpu_dot.first_argmax``: one pass, about 0.05 ms there."""
+    (``models.kernels.cpu_ops``) take fp32 rows through ``cpu_dot.first_argmax``: one pass, about 0.1 ms there."""
     if x.dtype == jnp.float32 and x.ndim and x.shape[-1] and cpu_ops_wanted():
         from dtree_jax import cpu_dot
 
